@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Reassemble a model/data bundle carried to the GPU machine in pieces (the device tool carries at most
+# 64 MiB per call). Each call carries one piece as .carry/part_XX; this moves it to $STORE. When all
+# $PARTS pieces are there, it checks the bundle's sha256, unpacks it, installs the carried wheels
+# (--no-deps: no network there) and converts the default model into $FSD_EAGLE_CACHE.
+# Usage: PARTS=3 SHA=<sha256 of the tar> bash eval/device/assemble.sh
+set -euo pipefail
+STORE=${STORE:-/root/carry}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
+mkdir -p "$STORE"
+if compgen -G ".carry/part_*" > /dev/null; then mv .carry/part_* "$STORE/"; fi
+if [ ! -f "$STORE/.unpacked" ]; then
+  have=$(find "$STORE" -name 'part_*' | wc -l)
+  echo "pieces here: $have of $PARTS"
+  [ "$have" -lt "$PARTS" ] && exit 0
+  cat "$STORE"/part_* > "$STORE/bundle.tar"
+  echo "$SHA  $STORE/bundle.tar" | sha256sum -c -
+  tar xf "$STORE/bundle.tar" -C "$STORE"
+  rm "$STORE"/part_* "$STORE/bundle.tar"
+  python3 -m pip install --no-deps --no-index -q "$STORE"/*.whl
+  touch "$STORE/.unpacked"
+fi
+python3 -c "from fsd_eagle.models import default_target_path; print('default target at', default_target_path())"

@@ -1,0 +1,240 @@
+"""The Python API: ``SpeculativeGenerator.load(...)`` then ``generate`` / ``stream``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from .config import FuzzyConfig, SamplingConfig, TreeConfig
+from .decode import DecodeStats, decode
+from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
+from .errors import ConfigError, InputError
+from .head import EagleHead, HeadConfig
+from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
+from .target import Target
+from .verify import AcceptanceRule
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    """Text and token ids of one call, with its statistics (see DecodeStats)."""
+
+    text: str
+    token_ids: list[int]
+    stats: DecodeStats
+    stop_reason: str  # "eos", "stop_string", "max_new_tokens" or "context"
+
+    def to_dict(self) -> dict:
+        s = self.stats
+        return {"text": self.text, "new_tokens": s.new_tokens, "target_forwards": s.target_forwards,
+                "tau": round(s.tau, 4), "tokens_per_s": round(s.tokens_per_s, 2),
+                "fuzzy_accepted": s.fuzzy_accepted, "divergence_mean": s.divergence_mean,
+                "elapsed_s": round(s.elapsed_s, 4), "stop_reason": self.stop_reason}
+
+
+@dataclass
+class _Call:
+    """Validated arguments of one generation call."""
+
+    prompt_ids: torch.Tensor
+    max_new_tokens: int
+    rule: AcceptanceRule
+    stop: tuple[str, ...]
+    generator: torch.Generator | None
+    autoregressive: bool
+    clipped: bool = False  # max_new_tokens was lowered to fit the model's context
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+
+class SpeculativeGenerator:
+    """A target model, its tokenizer and an optional drafter (an EAGLE head or a small draft model)."""
+
+    def __init__(self, model, tokenizer, head: EagleHead | None = None, draft_model=None,
+                 tree: TreeConfig = TreeConfig()) -> None:
+        self.target = Target(model)
+        self.tokenizer = tokenizer
+        self.tree = tree
+        self.drafter: SlotDrafter | None = None
+        if head is not None and draft_model is not None:
+            raise ConfigError("use either a draft head or a draft model, not both")
+        if head is not None:
+            self.drafter = EagleDrafter(head, self.target)
+        elif draft_model is not None:
+            if draft_model.get_output_embeddings().weight.shape[0] != self.target.vocab_size:
+                from .errors import HeadMismatchError
+                raise HeadMismatchError("the draft model's vocabulary differs from the target's")
+            self.drafter = ModelDrafter(Target(draft_model))
+        self._check_tree(tree)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        ids = {i for x in (eos, gen_eos) for i in (x if isinstance(x, (list, tuple)) else [x]) if i is not None}
+        self.eos_ids = frozenset(ids)
+
+    @classmethod
+    def load(cls, target: str | Path | None = None, head: str | Path | None = None, draft_model: str | Path | None = None,
+             device: str | None = None, dtype: str | None = None, tree: TreeConfig | None = None,
+             random_head: bool = False) -> "SpeculativeGenerator":
+        """Load a local target folder (default: SmolLM2-135M-Instruct) with ``head`` (default: the shipped
+        head of the default target), or a ``draft_model`` folder; ``random_head`` builds an untrained head."""
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        model, tokenizer = load_target(target, dev, dt)
+        head_path = head if head is not None else (default_head_path(DEFAULT_TARGET) if target is None else None)
+        head_module = None
+        if head_path is not None and draft_model is None:
+            head_module = load_head(head_path, model.config.get_text_config(), dev, dt)
+        elif random_head or (target is None and draft_model is None):
+            head_module = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(dev, dt).eval()
+        draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
+        return cls(model, tokenizer, head_module, draft, tree or TreeConfig())
+
+    def _check_tree(self, tree: TreeConfig) -> None:
+        if tree.top_k > self.target.vocab_size:
+            raise ConfigError(f"tree top_k {tree.top_k} exceeds the vocabulary size {self.target.vocab_size}")
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Prompt text (chat template applied when the tokenizer has one, unless chat=False), a list of chat
+        messages, or token ids."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("the prompt is empty")
+            use_chat = chat if chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
+            if use_chat:
+                return self._chat_ids([{"role": "user", "content": prompt}])
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if not isinstance(prompt, Sequence):
+            raise InputError("a prompt must be a string, a list of chat messages or a list of token ids")
+        items = list(prompt)
+        if not items:
+            raise InputError("the prompt is empty")
+        if all(isinstance(m, dict) for m in items):
+            return self._chat_ids(items)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            bad = [t for t in items if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
+            return items
+        raise InputError("a prompt must be a string, a list of chat messages or a list of token ids")
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InputError("this tokenizer has no chat template: pass plain text with chat=False")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"bad chat messages: {e}") from None
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _prepare(self, prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive) -> _Call:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
+        ids = self.encode(prompt, chat)
+        limit = self.target.max_positions
+        if len(ids) + self.tree.total_tokens + self.tree.depth + 2 >= limit:
+            raise InputError(f"the prompt has {len(ids)} tokens: too long for the model's context of {limit} tokens "
+                             f"(a round needs {self.tree.total_tokens + self.tree.depth + 2} more)")
+        room = limit - len(ids) - self.tree.total_tokens - self.tree.depth - 2
+        clipped = max_new_tokens > room
+        max_new_tokens = min(max_new_tokens, room)
+        if fuzzy is not None and not isinstance(fuzzy, FuzzyConfig):
+            raise ConfigError(f"fuzzy must be a FuzzyConfig or None, got {type(fuzzy).__name__}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise InputError(f"seed must be an integer or None, got {seed!r}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if stop is not None and (not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop)):
+            raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.target.device)
+            generator.manual_seed(0 if seed is None else seed)
+        prompt_ids = torch.tensor(ids, dtype=torch.long, device=self.target.device)
+        return _Call(prompt_ids, max_new_tokens, AcceptanceRule(sampling, fuzzy or FuzzyConfig()),
+                     tuple(s for s in (stop or ()) if s), generator, autoregressive or self.drafter is None, clipped)
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
+               stop: str | Sequence[str] | None = None, chat: bool | None = None,
+               autoregressive: bool = False) -> Iterator[str]:
+        """Yield text pieces as they are accepted; see ``generate`` for the arguments."""
+        call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
+        yield from (piece for piece in self._run(call) if isinstance(piece, str))
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None, chat: bool | None = None,
+                 autoregressive: bool = False) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt``.
+
+        temperature 0 is greedy; otherwise top_p / top_k filter the target's distribution. ``fuzzy`` sets
+        the FSD rule (default: exact). Generation stops at EOS, at any ``stop`` string (excluded from the
+        text) or at max_new_tokens. ``autoregressive`` decodes without a drafter (the baseline).
+        """
+        call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
+        result = None
+        for piece in self._run(call):
+            if isinstance(piece, GenerationResult):
+                result = piece
+        return result
+
+    def _run(self, call: _Call) -> Iterator[str | GenerationResult]:
+        drafter = None if call.autoregressive else self.drafter
+        tokens: list[int] = []
+        text, reason = "", "max_new_tokens"
+        for new in decode(self.target, drafter, call.prompt_ids, call.max_new_tokens, self.tree, call.rule,
+                          call.generator, call.stats):
+            for tok in new:
+                if tok in self.eos_ids:
+                    reason = "eos"
+                    break
+                tokens.append(tok)
+            full = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = _first_stop(full, call.stop)
+            if cut is not None:
+                full, reason = full[:cut], "stop_string"
+            if reason != "max_new_tokens":
+                break
+            # Hold back a tail that may still become the start of a stop string (cut from the final text).
+            visible = full[: len(full) - _stop_prefix_len(full, call.stop)]
+            if len(visible) > len(text) and not visible.endswith("\ufffd"):
+                yield visible[len(text):]
+                text = visible
+        if reason == "max_new_tokens" and call.clipped:
+            reason = "context"
+        full = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = _first_stop(full, call.stop)
+        final = full[:cut] if cut is not None else full
+        if len(final) > len(text):
+            yield final[len(text):]
+        call.stats.new_tokens = len(tokens) + (reason == "eos")
+        yield GenerationResult(final, tokens, call.stats, reason)
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of a stop string."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+_DEFAULT: SpeculativeGenerator | None = None
+
+
+def generate(prompt: Prompt, max_new_tokens: int = 256, **kwargs) -> GenerationResult:
+    """One-call API on the default model and its shipped head (loaded once, on the best device)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = SpeculativeGenerator.load()
+    return _DEFAULT.generate(prompt, max_new_tokens, **kwargs)

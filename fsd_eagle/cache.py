@@ -1,0 +1,81 @@
+"""Static KV caches with explicit write slots and accepted-path compaction.
+
+Slots are cache rows; a committed prefix of length L occupies slots [0, L) with position = slot. A round
+writes its n tree tokens to slots [L, L + n) (positions L + depth), then :func:`compact` moves the accepted
+path to [L, L + a) so the prefix stays contiguous. Nothing is reallocated after ``allocate``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class SlotCache(Cache):
+    """A transformers ``Cache`` over preallocated ``[1, H_kv, S, D]`` buffers, one pair per layer.
+
+    ``write_slots`` (a fixed tensor, updated in place before each forward) says where ``update`` writes the
+    new keys and values; attention always reads all S rows, the caller's mask hides the unused ones.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        # Cache.__init__ differs between transformers 5.x releases; we own every method the models call.
+        self.layers = []
+        self.max_len = max_len
+        shape = (1, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.write_slots
+        self.keys[layer_idx].index_copy_(2, slots, key_states)
+        self.values[layer_idx].index_copy_(2, slots, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and masks are always passed explicitly
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.max_len, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows ``src`` to rows ``dst`` in every layer (gather first, so overlaps are safe)."""
+        compact(self.keys + self.values, src, dst)
+
+
+def compact(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """For each ``[1, H, S, D]`` buffer, rows dst[i] <- rows src[i]."""
+    for buf in buffers:
+        buf.index_copy_(2, dst, buf.index_select(2, src))
+
+
+def attention_mask(prefix_len: torch.Tensor, slots: torch.Tensor, anc: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Boolean attention mask ``[n, S]`` for n query rows.
+
+    Row i sees every committed slot (< prefix_len) and the slots ``slots[j]`` (``[m]``, after the prefix)
+    where ``anc[i, j]`` (``[n, m]``): its ancestors and itself in a tree, the earlier rows of a chain.
+    """
+    n = anc.shape[0]
+    cols = torch.arange(max_len, device=slots.device)
+    mask = (cols < prefix_len).unsqueeze(0).expand(n, max_len).clone()
+    mask.index_copy_(1, slots, anc)
+    return mask
+
+
+def key_positions(slots: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Position of the token in each of the S slots once the new tokens are written (for sliding windows)."""
+    pos = torch.arange(max_len, device=slots.device)
+    return pos.index_copy(0, slots, positions)

@@ -1,0 +1,112 @@
+"""The ``fsd-eagle`` command line: ``generate`` (and, from a checkout, ``train`` and ``bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+
+from .config import FuzzyConfig, TreeConfig, parse_threshold
+from .divergence import DIVERGENCES
+from .errors import FSDError
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    p.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
+    p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
+    p.add_argument("--draft-model", help="a small causal LM folder to draft with instead of a head")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--total-tokens", type=int, default=None, help="tree nodes per round, root included")
+    p.add_argument("--depth", type=int, default=None, help="tree depth (draft tokens on the longest path)")
+    p.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node (1 = chain)")
+    p.add_argument("--threshold", default="0", help="FSD threshold T (a number >= 0 or 'inf'); 0 = exact")
+    p.add_argument("--divergence", default="kl", help=f"one of {', '.join(DIVERGENCES)}")
+    p.add_argument("--fuzzy-mode", default="hybrid", help="hybrid (default) or pure")
+    p.add_argument("--support-top-k", type=int, default=0, help="truncate D's support to top-k of p + rest")
+    p.add_argument("--autoregressive", action="store_true", help="plain decoding of the target (baseline)")
+    p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text, no chat template")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .api import SpeculativeGenerator
+    from .trees_presets import preset_tree
+
+    fuzzy = FuzzyConfig(threshold=parse_threshold(args.threshold), divergence=args.divergence,
+                        mode=args.fuzzy_mode, support_top_k=args.support_top_k)
+    _quiet_transformers()
+    gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
+                                    device=args.device, dtype=args.dtype, tree=TreeConfig())
+    base = preset_tree(gen.target)
+    pick = lambda given, default: default if given is None else given  # noqa: E731 (0 must fail, not fall back)
+    gen.tree = TreeConfig(total_tokens=pick(args.total_tokens, base.total_tokens), depth=pick(args.depth, base.depth),
+                          top_k=pick(args.tree_top_k, base.top_k))
+    gen._check_tree(gen.tree)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,
+                  autoregressive=args.autoregressive)
+    if args.json:
+        result = gen.generate(args.prompt, **kwargs)
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        return 0
+    for piece in gen.stream(args.prompt, **kwargs):
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+def _quiet_transformers() -> None:
+    """No loading progress bars or info logs from transformers: stderr is for our one-line errors."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _checkout_module(name: str, argv: list[str]) -> int:
+    """Run ``python -m <name>`` from the source checkout (training/ and eval/ are not installed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(root, name)):
+        raise FSDError(f"'fsd-eagle {name}' needs a source checkout of fsd-eagle (no {name}/ next to the package)")
+    sys.path.insert(0, root)
+    sys.argv = [f"fsd-eagle {name}"] + argv
+    runpy.run_module(name, run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="fsd-eagle", description="EAGLE-2 + Fuzzy Speculative Decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    sub.add_parser("train", help="train a draft head (runs training/ from a checkout)", add_help=False)
+    sub.add_parser("bench", help="run benchmarks (runs eval/ from a checkout)", add_help=False)
+    if argv and argv[0] in ("train", "bench"):
+        try:
+            return _checkout_module({"train": "training", "bench": "eval"}[argv[0]], argv[1:])
+        except FSDError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
+    try:
+        return run_generate(args)
+    except FSDError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Configuration dataclasses: draft tree shape, sampling and the fuzzy (FSD) acceptance rule.
+
+Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with one readable line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+FUZZY_MODES = ("hybrid", "pure")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the EAGLE-2 dynamic draft tree.
+
+    total_tokens: nodes verified per round, the root (last committed token) included; 1 means plain
+        autoregressive decoding (no draft).
+    depth: maximum number of draft tokens on a root-to-leaf path.
+    top_k: children expanded per frontier node, and frontier width; top_k = 1 gives a chain.
+    """
+
+    total_tokens: int = 60
+    depth: int = 6
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("total_tokens", "depth", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"tree {name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def drafts(self) -> bool:
+        return self.total_tokens > 1
+
+    @property
+    def path_len(self) -> int:
+        """Longest accepted path in nodes, the root included (depth + 1 when drafting)."""
+        return self.depth + 1 if self.drafts else 1
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next token is chosen: temperature 0 is greedy (argmax), else sampling.
+
+    top_k = 0 and top_p = 1.0 disable those filters.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class FuzzyConfig:
+    """Fuzzy Speculative Decoding rule (Holsman, Huang, Dhingra 2025) applied per tree node.
+
+    threshold: T >= 0, or math.inf; T = 0 disables fuzzy acceptance (exact EAGLE-2) in hybrid mode.
+    divergence: D(p, q) between target p and draft q at a parent node, see fsd_eagle.divergence.
+    mode: "hybrid" (exact rule, else accept the draft's top child when D <= T) or "pure" (accept the
+        draft's top child iff D <= T).
+    support_top_k: > 0 truncates D's support to the top-k tokens of p plus one bin for the rest.
+    processed: compute D on the temperature/top-p/top-k processed distributions instead of the raw ones.
+    """
+
+    threshold: float = 0.0
+    divergence: str = "kl"
+    mode: str = "hybrid"
+    support_top_k: int = 0
+    processed: bool = False
+
+    def __post_init__(self) -> None:
+        from .divergence import DIVERGENCES
+
+        t = self.threshold
+        if not _is_number(t) or math.isnan(t) or t < 0 or t == -math.inf:
+            raise ConfigError(f"fuzzy threshold must be a number >= 0 or inf, got {t!r}")
+        if self.divergence not in DIVERGENCES:
+            raise ConfigError(f"unknown divergence {self.divergence!r}; choose one of {', '.join(DIVERGENCES)}")
+        if self.mode not in FUZZY_MODES:
+            raise ConfigError(f"unknown fuzzy mode {self.mode!r}; choose one of {', '.join(FUZZY_MODES)}")
+        if not isinstance(self.support_top_k, int) or isinstance(self.support_top_k, bool) or self.support_top_k < 0:
+            raise ConfigError(f"support_top_k must be an integer >= 0, got {self.support_top_k!r}")
+
+    @property
+    def active(self) -> bool:
+        """False when the rule is exactly the lossless one (hybrid at T = 0)."""
+        return self.mode == "pure" or self.threshold > 0
+
+
+def parse_threshold(text: str) -> float:
+    """Parse a CLI threshold: a number >= 0, or the words inf / infinity."""
+    word = text.strip().lower()
+    if word in ("inf", "infinity", "+inf"):
+        return math.inf
+    try:
+        value = float(word)
+    except ValueError:
+        raise ConfigError(f"threshold must be a number >= 0 or 'inf', got {text!r}") from None
+    if math.isinf(value) or math.isnan(value):
+        raise ConfigError(f"threshold must be finite or the word 'inf', got {text!r}")
+    return value
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

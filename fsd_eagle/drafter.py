@@ -1,0 +1,118 @@
+"""Drafters: what proposes the tree. ``EagleDrafter`` runs an EAGLE head on the target's features;
+``ModelDrafter`` runs a separate small causal LM that shares the target's tokenizer (classic speculative
+decoding; with top_k = 1 its tree is a chain of gamma = depth tokens).
+
+Both keep their own slot KV cache: a committed prefix of ``length`` rows, then a scratch area for the tree
+levels. ``prefill`` and ``commit`` consume what the target just accepted and return the root's draft
+logits and state; ``step`` drafts one tree level (the ``Drafter`` protocol of fsd_eagle.tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import attention_mask
+from .config import TreeConfig
+from .head import EagleHead
+from .target import Target
+
+
+@dataclass
+class DraftRoot:
+    """The draft's view after the committed prefix: logits ``[V]`` of q_root and its state ``[s]``."""
+
+    logits: torch.Tensor
+    state: torch.Tensor
+
+
+class SlotDrafter:
+    """Shared bookkeeping; subclasses define ``_forward`` (rows -> states) and ``_logits`` (states -> logits)."""
+
+    length: torch.Tensor  # committed rows (0-dim long tensor)
+    max_len: int
+
+    def _forward(self, tokens, states, positions, slots, mask) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _logits(self, states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def commit(self, next_tokens: torch.Tensor, features: torch.Tensor, n_accepted: torch.Tensor) -> DraftRoot:
+        """Consume the accepted path: next_tokens ``[P]`` (the token after each path node: accepted drafts,
+        then the bonus), the target's features at the path nodes ``[P, h]``; only the first ``n_accepted``
+        rows count (the rest is padding written to scratch slots)."""
+        n = next_tokens.shape[0]
+        idx = torch.arange(n, device=next_tokens.device)
+        slots = self.length + idx
+        mask = attention_mask(self.length, slots, idx.unsqueeze(1) >= idx.unsqueeze(0), self.max_len)
+        states = self._forward(next_tokens, features, slots, slots, mask)
+        state = states[n_accepted - 1]
+        self.length += n_accepted
+        return DraftRoot(self._logits(state[None])[0], state)
+
+    @torch.no_grad()
+    def step(self, depth: int, tokens: torch.Tensor, states: torch.Tensor, rows_anc: torch.Tensor):
+        """One tree level: rows go to scratch slots level-major after the prefix, at position length + depth - 1."""
+        k = tokens.shape[0]
+        area = self.length + torch.arange(rows_anc.shape[1], device=tokens.device)
+        mask = attention_mask(self.length, area, rows_anc, self.max_len)
+        positions = (self.length + depth - 1).expand(k)
+        out = self._forward(tokens, states, positions, area[(depth - 1) * k: depth * k], mask)
+        return self._logits(out), out
+
+
+class EagleDrafter(SlotDrafter):
+    """EAGLE head over a target. Head row t reads (e(x_{t+1}), f_t) at position t, so after a commit its
+    length equals the target's and its state is the predicted feature f_{L}."""
+
+    def __init__(self, head: EagleHead, target: Target) -> None:
+        self.head, self.target = head, target
+        self.length = torch.zeros((), dtype=torch.long, device=target.device)
+        self.cache = None
+        self.max_len = 0
+
+    def allocate(self, max_len: int, tree: TreeConfig) -> None:
+        size = max_len + (tree.depth - 1) * tree.top_k
+        if self.cache is None or self.max_len < size:
+            self.cache = self.head.new_cache(size, self.target.device, self.target.dtype)
+            self.max_len = size
+        self.length.zero_()
+
+    def _forward(self, tokens, states, positions, slots, mask):
+        embeds = self.target.embed(tokens)
+        return self.head(embeds[None], states[None].to(embeds.dtype), positions[None], self.cache, slots, mask[None])[0]
+
+    def _logits(self, states):
+        return self.target.logits(states)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftRoot:
+        """tokens ``[L + 1]`` (the prompt and the target's first token), the target's features ``[L, h]``."""
+        return self.commit(tokens[1:], features, torch.tensor(features.shape[0], device=features.device))
+
+
+class ModelDrafter(SlotDrafter):
+    """A small causal LM as the drafter; its cache also holds the root (length = the target's + 1)."""
+
+    def __init__(self, model: Target) -> None:
+        self.model = model
+        self.length = model.length
+        self.max_len = 0
+
+    def allocate(self, max_len: int, tree: TreeConfig) -> None:
+        self.model.allocate(max_len + 1 + (tree.depth - 1) * tree.top_k)
+        self.max_len = self.model.cache.max_len
+
+    def _forward(self, tokens, states, positions, slots, mask):
+        return self.model.run(tokens, positions, slots, mask)
+
+    def _logits(self, states):
+        return self.model.logits(states)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftRoot:
+        f = self.model.prefill(tokens)
+        return DraftRoot(self.model.logits(f[-1:])[0], f[-1])

@@ -1,0 +1,186 @@
+"""EAGLE-1/2 draft head: ``fc`` over [embedding(next token); target feature] and one Llama-style decoder layer.
+
+Symbols (EAGLE paper): f_t is the target's last hidden state after the final norm at position t; the head
+reads (e(x_{t+1}), f_t) and predicts f_{t+1}; the target's frozen lm_head turns that into q(x_{t+2}).
+Parameter names follow the published EAGLE layout (``fc.*``, ``layers.0.*``), so those checkpoints load as is.
+Layer 0 has no input_layernorm (as in EAGLE) and the head has no final norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+
+@dataclass
+class HeadConfig:
+    """Shape of a draft head; ``rope_parameters`` are the target's (full-attention) RoPE settings."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    max_position_embeddings: int = 8192
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    target: str = ""
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_target(cls, target_config, **overrides) -> "HeadConfig":
+        """A head shaped like the target's decoder layers (EAGLE's choice), with the target's RoPE."""
+        c = target_config
+        kwargs = dict(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            vocab_size=c.vocab_size,
+            head_dim=getattr(c, "head_dim", None),
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            hidden_act=_act_name(c),
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
+            rope_parameters=target_rope_parameters(c),
+            target=getattr(c, "_name_or_path", "") or getattr(c, "model_type", ""),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def target_rope_parameters(config) -> dict:
+    """The target's RoPE settings for full-attention layers, as a plain dict (transformers 5.x layouts)."""
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "full_attention" in rope:
+        rope = rope["full_attention"]
+    if not rope:
+        rope = {"rope_type": "default", "rope_theta": float(getattr(config, "rope_theta", 10000.0))}
+    return {k: v for k, v in dict(rope).items() if v is not None}
+
+
+def _act_name(config) -> str:
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+    return "gelu_pytorch_tanh" if act.startswith("gelu") else act
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        d, h, kv = cfg.dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.n_heads, self.n_kv, self.dim = h, kv, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "HeadCache",
+                slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x ``[B, n, h]``; cos/sin ``[B, n, d]``; mask ``[B, n, S]`` bool or None (causal over x, no cache)."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.n_heads, self.dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.n_kv, self.dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if kv is not None:
+            kv.keys.index_copy_(2, slots, k)
+            kv.values.index_copy_(2, slots, v)
+            k, v = kv.keys, kv.values
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = nn.SiLU() if cfg.hidden_act == "silu" else nn.GELU(approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Llama decoder layer without input_layernorm (EAGLE's layer 0)."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv, slots, mask):
+        x = x + self.self_attn(x, cos, sin, kv, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class HeadCache:
+    """The head's own KV rows ``[1, H_kv, S, d]`` (same slot layout as the target's cache)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        rope_cfg = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                               head_dim=cfg.dim, max_position_embeddings=cfg.max_position_embeddings,
+                               rope_parameters=dict(cfg.rope_parameters))
+        self.rotary = LlamaRotaryEmbedding(rope_cfg)
+
+    def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype) -> HeadCache:
+        shape = (1, self.config.num_key_value_heads, max_len, self.config.dim)
+        return HeadCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache: HeadCache | None = None, slots: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds e(x_{t+1}) and features f_t ``[B, n, h]``, positions ``[B, n]`` -> predicted f_{t+1} ``[B, n, h]``.
+
+        With a cache: keys/values go to ``slots`` ``[n]`` (B = 1) and ``mask`` ``[B, n, S]`` says what each row
+        sees. Without (training): plain causal attention over the n rows.
+        """
+        x = self.fc(torch.cat((embeds, features), dim=-1))
+        cos, sin = self.rotary(x, positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, slots, mask)
+        return x

@@ -1,0 +1,121 @@
+"""Target adapter: any stock transformers causal LM, run over prefixes and token trees with a slot KV cache.
+
+Data flow per round: ``forward(tokens, depths, anc)`` writes the n tree tokens after the committed prefix
+and returns their features f (last hidden state after the final norm, the lm_head input); the caller picks
+the accepted path, then ``commit(path, n_accepted)`` compacts it into the prefix.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .cache import SlotCache, attention_mask, key_positions
+from .errors import ConfigError
+
+
+class Target:
+    """Wraps an ``AutoModelForCausalLM`` without changing its modeling code.
+
+    Attributes: ``model``, ``config`` (the text config), ``hidden_size``, ``vocab_size``, ``device``,
+    ``dtype``, ``length`` (0-dim long tensor on the device: committed prefix length L).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model.eval()
+        config = model.config
+        self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.lm_head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.layer_types = list(getattr(self.config, "layer_types", None) or [])
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        # transformers renamed `past_key_values` to `cache` in late 5.x releases: support both.
+        params = inspect.signature(self.base.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache: SlotCache | None = None
+        self.length = torch.zeros((), dtype=torch.long, device=self.device)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads)
+
+    def allocate(self, max_len: int) -> None:
+        """(Re)allocate the cache for ``max_len`` slots only when it is too small; reset the length."""
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = SlotCache(self.config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_len,
+                                   self.dtype, self.device)
+        self.length.zero_()
+
+    @torch.no_grad()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One forward over new tokens. tokens, positions, slots: ``[n]``; mask: ``[n, S]`` bool. Returns f ``[n, h]``."""
+        cache = self.cache
+        if cache is None:
+            raise ConfigError("Target.allocate(max_len) must be called before a forward")
+        cache.write_slots = slots
+        masks = self._masks(mask, positions, slots)
+        out = self.base(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), attention_mask=masks,
+                        use_cache=True, **{self.cache_kwarg: cache})
+        return out.last_hidden_state[0]
+
+    def _masks(self, mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+        """Additive 4D mask(s); sliding-window layers get the window applied to key positions too. Models
+        without ``layer_types`` (Mistral, Phi-3, ...) slide on every layer whenever ``sliding_window`` is set."""
+        if not self.sliding_window or (self.layer_types and "sliding_attention" not in self.layer_types):
+            return self._additive(mask)
+        kpos = key_positions(slots, positions, mask.shape[1])
+        window = self._additive(mask & (positions.unsqueeze(1) - kpos.unsqueeze(0) < self.sliding_window))
+        if not self.layer_types:
+            return window
+        return {"full_attention": self._additive(mask), "sliding_attention": window}
+
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        neg = torch.finfo(self.dtype).min
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, neg)[None, None]
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """lm_head (with the model's final soft-capping, if any) in float32: ``[n, h] -> [n, V]``."""
+        logits = self.lm_head(features).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ``[L]`` into an empty cache; returns f ``[L, h]``; length becomes L."""
+        n = tokens.shape[0]
+        pos = torch.arange(n, device=self.device)
+        causal = pos.unsqueeze(1) >= pos.unsqueeze(0)
+        features = self.run(tokens, pos, pos, attention_mask(self.length, pos, causal, self.cache.max_len))
+        self.length.fill_(n)
+        return features
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+        """Verify forward over a tree after the prefix: tokens, depths ``[n]``; anc ``[n, n]`` bool
+        (ancestor-or-self). Writes slots L..L+n-1 at positions L + depth; returns f ``[n, h]``."""
+        n = tokens.shape[0]
+        slots = self.length + torch.arange(n, device=self.device)
+        mask = attention_mask(self.length, slots, anc, self.cache.max_len)
+        return self.run(tokens, self.length + depths, slots, mask)
+
+    def commit(self, path: torch.Tensor, n_accepted: torch.Tensor) -> None:
+        """Keep the accepted root path: node path[i] (a tree index, ``[P]``, padded) moves to slot L + i;
+        the length grows by ``n_accepted`` (0-dim tensor)."""
+        src = self.length + path
+        dst = self.length + torch.arange(path.shape[0], device=self.device)
+        self.cache.compact(src, dst)
+        self.length += n_accepted

@@ -1,0 +1,160 @@
+"""Tree verification: one verifier, pluggable acceptance rules (exact greedy, exact sampling, fuzzy).
+
+Symbols: for a tree node n, p_n is the target's next-token distribution at n (from the verify forward)
+and q_n the draft's distribution from which n's children were drafted. FSD (Holsman et al. 2025) also
+accepts a child when D(p_n, q_n) <= T. Everything here is tensor code without host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import FuzzyConfig, SamplingConfig
+from .divergence import divergence
+from .sampling import process_logits, sample
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class AcceptanceRule:
+    """Which draft tokens the target accepts: its sampling settings plus the fuzzy rule (off by default).
+
+    Greedy + exact: a child is accepted iff it is the argmax of p at its parent (EAGLE-2).
+    Sampling + exact: EAGLE-2's recursive rejection over the (deterministic) draft's children.
+    Fuzzy hybrid: the exact rule, or else the draft's top child when D(p_n, q_n) <= T.
+    Fuzzy pure: the draft's top child iff D(p_n, q_n) <= T.
+    """
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    fuzzy: FuzzyConfig = field(default_factory=FuzzyConfig)
+
+
+@dataclass
+class Verdict:
+    """Outcome of one round (all tensors on the device, nothing synced).
+
+    path ``[P]``: accepted node indices from the root, padded by repeating the last one (P = depth + 1);
+    n_accepted: nodes on the path, root included; bonus: the target's token after the path;
+    fuzzy_extra: draft tokens accepted beyond what the exact rule accepts here; div_sum, div_count: the
+    divergences D(p_n, q_n) at the path's decision nodes (for statistics).
+    """
+
+    path: torch.Tensor
+    n_accepted: torch.Tensor
+    bonus: torch.Tensor
+    fuzzy_extra: torch.Tensor
+    div_sum: torch.Tensor
+    div_count: torch.Tensor
+
+
+def verify_tree(tree: DraftTree, target_logits: torch.Tensor, rule: AcceptanceRule,
+                generator: torch.Generator | None = None) -> Verdict:
+    """Accept a root path of ``tree`` under ``rule``; ``target_logits [n, V]`` are the raw float32 logits
+    of the verify forward (row i: the target's distribution for the children of node i)."""
+    n, dev = tree.size, target_logits.device
+    if rule.fuzzy.active and tree.q_logits is not None:
+        div = node_divergences(tree, target_logits, rule)
+    else:
+        div = torch.full((n,), float("inf"), device=dev)
+    fuzzy_ok = (div[tree.parents] <= rule.fuzzy.threshold) & top_children(tree)
+    accept = _accept_greedy if rule.sampling.greedy else _accept_sampling
+    path, n_acc, bonus, exact_len = accept(tree, target_logits, fuzzy_ok, rule, generator)
+    decided = (torch.arange(path.shape[0], device=dev) < n_acc) & torch.isfinite(div[path])
+    # Pure mode may accept fewer tokens than the exact rule would: that is no extra, not a negative one.
+    return Verdict(path, n_acc, bonus, (n_acc - exact_len).clamp(min=0),
+                   torch.where(decided, div[path], 0.0).sum(), decided.sum())
+
+
+def node_divergences(tree: DraftTree, target_logits: torch.Tensor, rule: AcceptanceRule) -> torch.Tensor:
+    """D(p_n, q_n) for every node ``[n]`` (float32); +inf where the node was never expanded."""
+    p, q = target_logits, tree.q_logits[tree.q_row.clamp(min=0)].float()
+    if rule.fuzzy.processed:
+        p, q = process_logits(p, rule.sampling), process_logits(q, rule.sampling)
+    d = divergence(rule.fuzzy.divergence, p, q, rule.fuzzy.support_top_k)
+    return torch.where(tree.q_row >= 0, d, torch.full_like(d, float("inf")))
+
+
+def top_children(tree: DraftTree) -> torch.Tensor:
+    """``[n]`` bool: the node is its parent's child of highest draft probability."""
+    best = torch.full((tree.size,), float("-inf"), device=tree.scores.device)
+    best = best.scatter_reduce(0, tree.parents[1:], tree.scores[1:], reduce="amax")
+    top = tree.scores == best[tree.parents]
+    top[0] = False
+    return top
+
+
+def root_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
+    """Root-to-``node`` indices ``[max_depth + 1]`` (nodes are depth-ordered), padded with ``node``."""
+    idx = torch.arange(tree.size, device=node.device)
+    path = torch.sort(torch.where(tree.anc[node], idx, tree.size + idx)).values[: tree.max_depth + 1]
+    return torch.where(path < tree.size, path, node)
+
+
+def deepest_accepted(tree: DraftTree, ok: torch.Tensor) -> torch.Tensor:
+    """The deepest node whose whole root path is ``ok`` (on ties the first, i.e. the best-scored)."""
+    accepted = ~(tree.anc & ~ok.unsqueeze(0)).any(dim=1)
+    return torch.argmax(torch.where(accepted, tree.depths, -1))
+
+
+def _accept_greedy(tree, logits, fuzzy_ok, rule, generator):
+    """A node is ok if it is the target's argmax at its parent (exact) or passes the fuzzy test; in a tree
+    both continue a branch, and the longest branch wins (so acceptance grows monotonically with T)."""
+    argmax = logits.argmax(dim=-1)
+    exact_ok = tree.tokens == argmax[tree.parents]
+    exact_ok[0] = True
+    fuzzy_ok = fuzzy_ok.clone()
+    fuzzy_ok[0] = True
+    ok = fuzzy_ok if rule.fuzzy.mode == "pure" else exact_ok | fuzzy_ok
+    best = deepest_accepted(tree, ok)
+    exact_len = tree.depths[deepest_accepted(tree, exact_ok)] + 1
+    return root_path(tree, best), tree.depths[best] + 1, argmax[best], exact_len
+
+
+def _accept_sampling(tree, logits, fuzzy_ok, rule, generator):
+    """Walk down from the root. At node c, try its children in draft order: accept child x with probability
+    p(x) / (1 - mass of the children already rejected) (EAGLE-2's recursive rejection with a deterministic
+    draft: lossless). If all are rejected, the fuzzy rule may still take the top child; else the bonus is a
+    sample of p with the rejected children removed (pure mode: of p itself)."""
+    n, dev = tree.size, logits.device
+    probs = process_logits(logits, rule.sampling).softmax(-1)  # [n, V]
+    pure = rule.fuzzy.mode == "pure"
+    idx = torch.arange(n, device=dev)
+    top = top_children(tree)
+    cur = torch.zeros((), dtype=torch.long, device=dev)
+    alive = torch.ones((), dtype=torch.bool, device=dev)
+    exact_alive = alive.clone()
+    n_acc = torch.ones((), dtype=torch.long, device=dev)
+    exact_len = n_acc.clone()
+    bonus = torch.zeros((), dtype=torch.long, device=dev)
+    for _ in range(tree.max_depth):
+        p = probs[cur]
+        children = (tree.parents == cur) & (idx > 0)
+        p_child = torch.where(children, p[tree.tokens], 0.0)
+        rejected_before = torch.cumsum(p_child, 0) - p_child
+        u = torch.rand(n, device=dev, generator=generator)
+        success = children & (u * (1.0 - rejected_before).clamp(min=1e-12) < p_child)
+        exact_step = success.any()  # the exact rule accepts a child here (statistics, also in pure mode)
+        exact_go = exact_step & (not pure)
+        top_child = torch.argmax((children & top).int())
+        fuzzy_go = children.any() & fuzzy_ok[top_child]
+        go = exact_go | fuzzy_go
+        nxt = torch.where(exact_go, torch.argmax(success.int()), top_child)
+        stop_token = sample(p if pure else _remove(p, tree.tokens, children), generator)
+        bonus = torch.where(alive & ~go, stop_token, bonus)
+        exact_alive = exact_alive & exact_step & alive
+        exact_len = exact_len + exact_alive
+        cur = torch.where(alive & go, nxt, cur)
+        n_acc = n_acc + (alive & go)
+        alive = alive & go
+    bonus = torch.where(alive, sample(probs[cur], generator), bonus)
+    return root_path(tree, cur), n_acc, bonus, exact_len
+
+
+def _remove(p: torch.Tensor, tokens: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """p ``[V]`` with the tokens of the ``drop`` nodes zeroed (the residual after rejecting them); p itself
+    if that leaves no mass."""
+    hit = torch.zeros(p.shape, dtype=torch.long, device=p.device).scatter_reduce(0, tokens, drop.long(), "amax")
+    residual = p * (hit == 0)
+    return torch.where(residual.sum() > 0, residual, p)

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random causal LMs (fp32, CPU) built from configs, no downloads.
+
+``tiny_model(arch, ...)`` builds one; the session fixtures ``tiny_llama``, ``tiny_qwen2`` and ``tiny_gemma3``
+share one instance each (treat them as read-only: ``copy.deepcopy`` before changing weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tiny matmuls: thread start-up and contention with other processes cost far more than they save
+# (measured 10-100x slower with 2 threads on a busy 2-core machine).
+torch.set_num_threads(1)
+
+ARCHS = ("llama", "qwen2", "gemma3", "mistral")
+
+
+def tiny_config(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2,
+                **overrides):
+    """A small config of ``arch``: llama (GQA), qwen2 (attention bias), gemma3 (a sliding window of 6
+    tokens on layer 0, full attention on layer 1, final logit soft-capping; untied embeddings, as tied
+    random ones make greedy decoding repeat the last token), mistral (a sliding window of 6 tokens on every
+    layer, set by ``sliding_window`` alone, without ``layer_types``)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.1)
+    if arch == "llama":
+        kwargs = dict(common)
+        cls = LlamaConfig
+    elif arch == "qwen2":
+        kwargs = dict(common)
+        cls = Qwen2Config
+    elif arch == "gemma3":
+        head_dim = hidden_size // 4
+        kinds = ["sliding_attention", "full_attention"]
+        kwargs = dict(common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=6,
+                      layer_types=[kinds[i % 2] for i in range(num_layers)], final_logit_softcapping=30.0,
+                      tie_word_embeddings=False)
+        cls = Gemma3TextConfig
+    elif arch == "mistral":
+        kwargs = dict(common, sliding_window=6)
+        cls = MistralConfig
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def tiny_model(arch: str = "llama", *, seed: int = 0, **config_kwargs):
+    """A randomly initialized fp32 causal LM of ``arch`` in eval mode (deterministic given ``seed``)."""
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma3": Gemma3ForCausalLM,
+           "mistral": MistralForCausalLM}[arch]
+    config = tiny_config(arch, **config_kwargs)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = cls(config)
+        # Biases and norm weights start at 0 / 1: offset them so attention biases and norm scales matter.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() == 1:
+                    param.add_(0.1 * torch.randn_like(param))
+    return model.float().eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    return tiny_model("gemma3")

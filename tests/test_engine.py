@@ -1,0 +1,800 @@
+"""Engine tests on tiny random models (fp32, CPU): greedy exactness against a plain recompute-everything
+loop, draft-tree and verifier invariants, KV compaction, draft-head loading, and lossless sampling
+(chi-square tests that are also shown to fail when the acceptance rule is broken on purpose)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsd_eagle.verify as verify_module
+from conftest import tiny_model
+from fsd_eagle.config import SamplingConfig, TreeConfig
+from fsd_eagle.decode import DecodeStats, decode
+from fsd_eagle.drafter import EagleDrafter, ModelDrafter
+from fsd_eagle.head import EagleHead, HeadConfig
+from fsd_eagle.models import load_head, save_head
+from fsd_eagle.target import Target
+from fsd_eagle.tree import draft_tree
+from fsd_eagle.verify import AcceptanceRule, verify_tree
+
+CPU = torch.device("cpu")
+GREEDY = AcceptanceRule()
+TREES = {
+    "default": TreeConfig(),  # 60 nodes, depth 6, top_k 10
+    "chain": TreeConfig(total_tokens=6, depth=5, top_k=1),
+    "overfull": TreeConfig(total_tokens=500, depth=3, top_k=3),  # only 1 + 3 + 9 + 9 = 22 nodes exist
+    "depth1": TreeConfig(total_tokens=8, depth=1, top_k=7),
+    "tiny": TreeConfig(total_tokens=2, depth=6, top_k=1),  # fewer nodes than the depth allows
+}
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """Plain greedy decoding that recomputes the whole sequence every step (no cache, no engine code)."""
+    ids = prompt.tolist()
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[:, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def run_decode(target, drafter, prompt, n, tree, rule=GREEDY, generator=None):
+    stats = DecodeStats()
+    out: list[int] = []
+    for new in decode(target, drafter, prompt, n, tree, rule, generator, stats):
+        out += new
+    return out, stats
+
+
+def noisy_copy(model, scale: float, seed: int = 1):
+    """A copy of ``model`` with Gaussian noise (``scale`` x each matrix's std) on its weight matrices."""
+    noisy = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in noisy.parameters():
+            if param.dim() > 1:
+                param.add_(scale * param.std() * torch.randn(param.shape, generator=gen))
+    return noisy
+
+
+def random_prompt(seed: int, vocab: int, lo: int = 5, hi: int = 12) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    return torch.randint(0, vocab, (n,), generator=gen)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_model(arch: str):
+    return tiny_model(arch)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+def arch_model(request):
+    return request.param, cached_model(request.param)
+
+
+# ------------------------------------------------------------------- 1. exactness (greedy, fp32)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "mistral"])
+def test_target_logits_match_the_models_own_forward(arch):
+    """Target.prefill / forward_tree (tree masks, positions, slot cache, sliding window, soft-capping) give
+    the logits of the model's default forward over prefix + root path, also after a commit."""
+    model = cached_model(arch)
+    target = Target(model)
+    target.allocate(64)
+    gen = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, 128, (10,), generator=gen)  # longer than the sliding windows (6 tokens)
+    features = target.prefill(seq)
+    torch.testing.assert_close(target.logits(features), model(seq[None]).logits[0], atol=1e-4, rtol=1e-4)
+    # A branching tree: 0 -> {1, 2}, 1 -> {3, 4}, 2 -> {5}, 3 -> {6}, 6 -> {7}.
+    parents = torch.tensor([0, 0, 0, 1, 1, 2, 3, 6])
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 3, 4])
+    n = parents.shape[0]
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[parents[i]]
+    for _round in range(2):
+        tokens = torch.randint(0, 128, (n,), generator=gen)
+        logits = target.logits(target.forward_tree(tokens, depths, anc))
+        for i in range(n):
+            path = anc[i].nonzero().flatten()
+            ref = model(torch.cat([seq, tokens[path]])[None]).logits[0, -1]
+            torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
+        # Commit the branch 0-1-3-6-7 (not a contiguous block of slots) and grow the reference sequence.
+        path = torch.tensor([0, 1, 3, 6, 7])
+        target.commit(path, torch.tensor(5))
+        seq = torch.cat([seq, tokens[path]])
+        assert int(target.length) == seq.shape[0]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_sliding_window_matters_at_these_lengths(arch):
+    """Guards the exactness tests: with these lengths the window of 6 changes the logits."""
+    model = cached_model(arch)
+    wide = tiny_model(arch, sliding_window=1000)
+    wide.load_state_dict(model.state_dict())
+    ids = random_prompt(0, 128, 12, 12)[None]
+    assert (model(ids).logits[0, -1] - wide(ids).logits[0, -1]).abs().max() > 1e-3
+    assert (model(ids[:, :6]).logits - wide(ids[:, :6]).logits).abs().max() < 1e-5
+
+
+def _drafter(kind: str, model, target):
+    if kind == "eagle":  # a random head: its drafts are rarely accepted
+        with torch.random.fork_rng():
+            torch.manual_seed(5)
+            return EagleDrafter(EagleHead(HeadConfig.for_target(model.config)).eval(), target)
+    if kind == "noisy":
+        return ModelDrafter(Target(noisy_copy(model, 0.1)))
+    if kind == "self":
+        return ModelDrafter(Target(model))  # its own Target (own cache) over the same weights
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "noisy", "self"])
+def test_greedy_decoding_is_exact(arch_model, kind):
+    check_greedy_exact(*arch_model, kind, seeds=(0, 1))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "noisy"])
+def test_greedy_decoding_is_exact_with_a_window_on_every_layer(kind):
+    check_greedy_exact("mistral", cached_model("mistral"), kind, seeds=(0,))
+
+
+def check_greedy_exact(arch, model, kind, seeds):
+    """decode == the reference loop for every tree shape (and AR decoding), with acceptance checks."""
+    target = Target(model)
+    drafter = _drafter(kind, model, target)
+    n_new = 24
+    rejected_somewhere = False
+    for seed in seeds:
+        prompt = random_prompt(seed, 128)
+        ref = reference_greedy(model, prompt, n_new)
+        ar, ar_stats = run_decode(target, None, prompt, n_new, TreeConfig(total_tokens=1))
+        assert ar == ref
+        assert ar_stats.target_forwards == n_new
+        for name, tree in TREES.items():
+            out, stats = run_decode(target, drafter, prompt, n_new, tree)
+            assert out == ref, f"{arch} {kind} seed {seed} tree {name}"
+            assert stats.new_tokens == n_new
+            assert all(1 <= a <= tree.depth + 1 for a in stats.accept_lengths)
+            if name == "chain":  # every chain has depth nodes: a shorter path means a rejection
+                rejected_somewhere |= min(stats.accept_lengths) < tree.depth + 1
+            if kind == "noisy":
+                assert stats.tau > 1.2, (name, stats.tau)  # paths of several tokens are accepted
+            if kind == "self":  # the draft is the target: its greedy path is always accepted
+                mean = sum(stats.accept_lengths) / len(stats.accept_lengths)
+                if name in ("chain", "depth1", "tiny"):
+                    assert mean >= min(tree.depth, tree.total_tokens - 1) + 0.5, (name, stats.accept_lengths)
+                else:  # EAGLE-2 reranking may cut the greedy path short on these flat distributions
+                    assert mean >= 2.5, (name, stats.accept_lengths)
+    if kind == "noisy":
+        assert rejected_somewhere  # partial acceptance: both outcomes of the rule are exercised
+
+
+def test_decode_yields_at_most_max_new_tokens(tiny_llama):
+    target = Target(tiny_llama)
+    drafter = _drafter("self", tiny_llama, target)
+    prompt = random_prompt(0, 128)
+    ref = reference_greedy(tiny_llama, prompt, 9)
+    for n in (0, 1, 2, 9):
+        for d in (None, drafter):
+            out, stats = run_decode(target, d, prompt, n, TREES["chain"])
+            assert out == ref[:n] and stats.new_tokens == n
+
+
+# ----------------------------------------------------------------- 2. tree and verifier invariants
+
+
+class PathDrafter:
+    """A fake drafter: the logits at a node are a fixed pseudo-random function of its root path (states
+    carry the path), so the test can recompute what any node's children should be. It also checks the
+    rows_anc protocol: each frontier row must see exactly the draft rows of its ancestors and itself."""
+
+    def __init__(self, vocab: int, cfg: TreeConfig, seed: int, scale: float = 3.0, ties: bool = False):
+        self.vocab, self.cfg, self.seed, self.scale, self.ties = vocab, cfg, seed, scale, ties
+        self.table: dict[tuple, torch.Tensor] = {}
+        self.rows: dict[int, tuple] = {}
+
+    def logits_for(self, path: tuple) -> torch.Tensor:
+        if path not in self.table:
+            gen = torch.Generator().manual_seed(hash((self.seed,) + path) % (1 << 62))
+            x = torch.randn(self.vocab, generator=gen) * self.scale
+            self.table[path] = x.round() if self.ties else x  # rounding makes score ties common
+        return self.table[path]
+
+    def root(self, root_token: int):
+        state = torch.full((self.cfg.depth + 1,), -1.0)
+        state[0] = root_token
+        return self.logits_for((root_token,)), state
+
+    @staticmethod
+    def path_of(state: torch.Tensor) -> tuple:
+        return tuple(int(t) for t in state.tolist() if t >= 0)
+
+    def step(self, depth, tokens, states, rows_anc):
+        k = self.cfg.top_k
+        assert tokens.shape == (k,) and states.shape[0] == k
+        assert rows_anc.shape == (k, (self.cfg.depth - 1) * k) and rows_anc.dtype == torch.bool
+        out = states.clone()
+        out[:, depth] = tokens.float()
+        paths = [self.path_of(s) for s in out]
+        for j, path in enumerate(paths):
+            assert len(path) == depth + 1
+            self.rows[(depth - 1) * k + j] = path
+        for j, path in enumerate(paths):
+            seen = {r for r in rows_anc[j].nonzero().flatten().tolist()}
+            want = {r for r in range(depth * k) if self.rows.get(r) == path[: r // k + 2]}
+            assert seen == want, (depth, j)
+        return torch.stack([self.logits_for(p) for p in paths]), out
+
+
+def node_paths(tree) -> list[tuple]:
+    return [tuple(int(t) for t in tree.tokens[tree.anc[i]].tolist()) for i in range(tree.size)]
+
+
+def reference_candidates(drafter: PathDrafter, root_token: int, cfg: TreeConfig):
+    """EAGLE-2 expansion written plainly: {path: cumulative log-prob} and the expanded paths."""
+    k = cfg.top_k
+    cands: dict[tuple, float] = {}
+    frontier = []
+    score, tok = torch.log_softmax(drafter.logits_for((root_token,)), -1).topk(k)
+    for s, t in zip(score.tolist(), tok.tolist()):
+        frontier.append((s, (root_token, t)))
+    cands.update({p: s for s, p in frontier})
+    expanded = {(root_token,)}
+    for _ in range(1, cfg.depth):
+        children = []
+        for s, path in frontier:
+            expanded.add(path)
+            cs, ct = torch.log_softmax(drafter.logits_for(path), -1).topk(k)
+            children += [(s + c, path + (t,)) for c, t in zip(cs.tolist(), ct.tolist())]
+        cands.update({p: s for s, p in children})
+        frontier = sorted(children, key=lambda x: -x[0])[:k]
+    return cands, expanded
+
+
+tree_shapes = st.tuples(st.integers(1, 120), st.integers(1, 6), st.integers(1, 6), st.integers(8, 40),
+                        st.integers(0, 10_000))
+
+
+def _make_tree(shape, ties=False, scale=3.0):
+    total, depth, k, vocab, seed = shape
+    cfg = TreeConfig(total_tokens=total, depth=depth, top_k=k)
+    drafter = PathDrafter(vocab, cfg, seed, scale=scale, ties=ties)
+    root_token = seed % vocab
+    root_logits, root_state = drafter.root(root_token)
+    return draft_tree(drafter, torch.tensor(root_token), root_logits, root_state, cfg), drafter, cfg
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=tree_shapes, ties=st.booleans(), scale=st.sampled_from([0.5, 3.0, 30.0]))
+def test_draft_tree_invariants(shape, ties, scale):
+    tree, drafter, cfg = _make_tree(shape, ties, scale)
+    n, k = tree.size, cfg.top_k
+    assert n == min(cfg.total_tokens, 1 + k + (cfg.depth - 1) * k * k)
+    parents, depths, anc, scores = tree.parents.tolist(), tree.depths.tolist(), tree.anc, tree.scores
+    assert parents[0] == 0 and depths[0] == 0 and float(scores[0]) == 0.0
+    assert anc.shape == (n, n) and anc[:, 0].all()
+    assert torch.equal(anc[0], torch.nn.functional.one_hot(torch.tensor(0), n).bool())
+    assert tree.max_depth == cfg.depth and max(depths) <= cfg.depth
+    assert depths == sorted(depths)  # depth-ordered
+    for i in range(1, n):
+        p = parents[i]
+        assert p < i  # connected, parents first
+        assert torch.equal(anc[i], anc[p] | torch.nn.functional.one_hot(torch.tensor(i), n).bool())
+        assert depths[i] == depths[p] + 1
+        assert depths[i] == int(anc[i].sum()) - 1  # positions (L + depth) are path lengths
+        assert scores[i] <= scores[p]  # never increases along a path
+    # Children of a node: distinct tokens, produced by the logits row q_row points at, scored cumulatively.
+    children: dict[int, list[int]] = {}
+    for i in range(1, n):
+        children.setdefault(parents[i], []).append(i)
+    paths = node_paths(tree)
+    assert tree.q_row[0] == 0 and torch.equal(tree.q_logits[0], drafter.logits_for(paths[0]))
+    for node, kids in children.items():
+        row = int(tree.q_row[node])
+        assert row >= 0, "a node with children was never expanded"
+        q = tree.q_logits[row]
+        assert torch.equal(q, drafter.logits_for(paths[node]))  # the row that produced the children
+        logq = torch.log_softmax(q.float(), -1)
+        toks = tree.tokens[kids]
+        assert len(set(toks.tolist())) == len(kids) <= k
+        torch.testing.assert_close(scores[kids], scores[node] + logq[toks])
+        kth = logq.topk(k).values[-1]
+        assert (logq[toks] >= kth).all()  # children are among the top_k of q
+    for i in range(n):  # expanded nodes really are: q_row >= 0 exactly where the drafter was called
+        if tree.q_row[i] >= 0:
+            assert torch.equal(tree.q_logits[tree.q_row[i]], drafter.logits_for(paths[i]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=tree_shapes)
+def test_draft_tree_keeps_the_best_eagle2_candidates(shape):
+    """Without score ties, the kept nodes are the total_tokens - 1 best of the EAGLE-2 candidates."""
+    tree, drafter, cfg = _make_tree(shape)
+    cands, expanded = reference_candidates(drafter, int(tree.tokens[0]), cfg)
+    paths = node_paths(tree)
+    kept = paths[1:]
+    assert len(set(kept)) == len(kept) and set(kept) <= set(cands)
+    for i, path in enumerate(paths[1:], start=1):
+        assert math.isclose(float(tree.scores[i]), cands[path], rel_tol=1e-5, abs_tol=1e-5)
+        assert (int(tree.q_row[i]) >= 0) == (path in expanded)
+    best = sorted(cands.values(), reverse=True)[: tree.size - 1]
+    torch.testing.assert_close(torch.tensor(sorted(tree.scores[1:].tolist(), reverse=True)), torch.tensor(best))
+
+
+def _target_logits_for(tree, vocab: int, seed: int, boost: float = 0.6) -> torch.Tensor:
+    """Random target logits where about ``boost`` of the draft nodes get a high logit at their parent."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tree.size, vocab, generator=gen)
+    for i in range(1, tree.size):
+        if torch.rand((), generator=gen) < boost:
+            logits[tree.parents[i], tree.tokens[i]] += 10 + torch.rand((), generator=gen)
+    return logits
+
+
+def _check_root_path(tree, verdict) -> list[int]:
+    a = int(verdict.n_accepted)
+    path = verdict.path.tolist()
+    parents = tree.parents.tolist()
+    # Padded to max_depth + 1 entries, or to the node count when the tree has fewer nodes than that.
+    assert len(path) == min(tree.size, tree.max_depth + 1) and 1 <= a <= len(path)
+    assert path[0] == 0
+    for i in range(1, a):
+        assert parents[path[i]] == path[i - 1]
+    assert all(p == path[a - 1] for p in path[a:])
+    return path[:a]
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=tree_shapes, ties=st.booleans())
+def test_verify_greedy_accepts_the_greedy_root_path(shape, ties):
+    tree, _, _ = _make_tree(shape, ties)
+    vocab, seed = shape[3], shape[4]
+    logits = _target_logits_for(tree, vocab, seed)
+    verdict = verify_tree(tree, logits, GREEDY)
+    path = _check_root_path(tree, verdict)
+    argmax, parents, tokens = logits.argmax(-1).tolist(), tree.parents.tolist(), tree.tokens.tolist()
+    # Independent walk: follow the child that carries the target's argmax while there is one.
+    walk = [0]
+    while True:
+        kids = [c for c in range(1, tree.size) if parents[c] == walk[-1] and tokens[c] == argmax[walk[-1]]]
+        if not kids:
+            break
+        assert len(kids) == 1
+        walk.append(kids[0])
+    assert path == walk
+    for prev, node in zip(path, path[1:]):
+        assert tokens[node] == argmax[prev]
+    assert int(verdict.bonus) == argmax[path[-1]]
+    assert int(verdict.fuzzy_extra) == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=tree_shapes, temperature=st.sampled_from([0.5, 1.0, 2.0]), top_p=st.sampled_from([0.5, 0.9, 1.0]))
+def test_verify_sampling_accepts_a_root_path(shape, temperature, top_p):
+    tree, _, _ = _make_tree(shape)
+    vocab, seed = shape[3], shape[4]
+    logits = _target_logits_for(tree, vocab, seed, boost=0.3)
+    rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
+    gen = torch.Generator().manual_seed(seed)
+    probs = reference_probs(logits, temperature, top_p)
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    for _ in range(3):
+        verdict = verify_tree(tree, logits, rule, gen)
+        path = _check_root_path(tree, verdict)
+        for prev, node in zip(path, path[1:]):
+            assert probs[prev, tokens[node]] > 0
+        last, bonus = path[-1], int(verdict.bonus)
+        assert probs[last, bonus] > 0
+        kids = {tokens[c] for c in range(1, tree.size) if parents[c] == last}
+        if 1 - sum(float(probs[last, t]) for t in kids) > 1e-6:
+            assert bonus not in kids  # the bonus comes from the residual without the rejected children
+
+
+# ----------------------------------------------------------------------------------- 3. KV compaction
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["noisy", "eagle"])
+def test_kv_cache_after_rounds_equals_a_fresh_prefill(arch_model, kind):
+    arch, model = arch_model
+    target = Target(model)
+    drafter = _drafter(kind, model, target)
+    prompt = random_prompt(2, 128)
+    fresh = Target(model)
+    generated: list[int] = []
+    multi = False
+    roots = []  # the draft root (logits, state) after each prefill / commit
+    for name in ("prefill", "commit"):
+        method = getattr(drafter, name)
+        setattr(drafter, name, lambda *a, _method=method: roots.append(_method(*a)) or roots[-1])
+    rounds = decode(target, drafter, prompt, 200, TREES["default"], GREEDY, None, DecodeStats())
+    for _, new in zip(range(7), rounds):
+        generated += new
+        multi |= len(new) >= 3
+        committed = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long)])
+        L = committed.shape[0]
+        assert int(target.length) == L
+        fresh.allocate(L + 1)
+        features = fresh.prefill(committed)
+        for got, want in zip(target.cache.keys + target.cache.values, fresh.cache.keys + fresh.cache.values):
+            torch.testing.assert_close(got[:, :, :L], want[:, :, :L], atol=1e-5, rtol=1e-4)
+        if kind == "noisy":  # the draft model's cache holds the root too
+            ref = Target(drafter.model.model)
+            ref.allocate(L + 2)
+            f = ref.prefill(torch.cat([committed, torch.tensor(generated[-1:])]))
+            want_root = (ref.logits(f[-1:])[0], f[-1])
+            assert int(drafter.length) == L + 1
+            pairs = zip(drafter.model.cache.keys + drafter.model.cache.values, ref.cache.keys + ref.cache.values)
+            n = L + 1
+        else:  # the head's rows t read (e(x_{t+1}), f_t)
+            ref = EagleDrafter(drafter.head, fresh)
+            ref.allocate(L + 1, TREES["default"])
+            root = ref.prefill(torch.cat([committed, torch.tensor(generated[-1:])]), features)
+            want_root = (root.logits, root.state)
+            assert int(drafter.length) == L
+            pairs = zip([drafter.cache.keys, drafter.cache.values], [ref.cache.keys, ref.cache.values])
+            n = L
+        for got, want in pairs:
+            torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(roots[-1].logits, want_root[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(roots[-1].state, want_root[1], atol=1e-5, rtol=1e-4)
+    if kind == "noisy":
+        assert multi  # some round committed a path of several tokens
+
+
+@torch.no_grad()
+def reference_eagle_logits(head, model, committed: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
+    """The head's draft logits after committed + path (root first), with no cache: head row t reads
+    (e(x_{t+1}), F_t), F_t the target's feature for t < L, else the head's own output at row t - 1."""
+    L = committed.shape[0]
+    seq = torch.cat([committed, path_tokens])
+    feats = list(model.model(seq[None, :L]).last_hidden_state[0])
+    embed = model.get_input_embeddings()
+    out = None
+    for rows in range(L, L + path_tokens.shape[0]):  # rows 0 .. rows-1 of the head
+        x = head(embed(seq[1: rows + 1])[None], torch.stack(feats)[None], torch.arange(rows)[None])[0]
+        out = x[-1]
+        feats.append(out)
+    logits = model.get_output_embeddings()(out)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["noisy", "eagle"])
+def test_drafted_logits_match_a_plain_forward_of_the_drafter(arch_model, kind, monkeypatch):
+    """Every expanded tree node's q logits equal the drafter run from scratch over prefix + node path (tree
+    masks, draft positions, scratch rows and the drafter's commit), over several rounds."""
+    import fsd_eagle.decode as decode_module
+
+    arch, model = arch_model
+    target = Target(model)
+    drafter = _drafter(kind, model, target)
+    trees = []
+    real_draft_tree = decode_module.draft_tree
+    monkeypatch.setattr(decode_module, "draft_tree", lambda *a: trees.append(real_draft_tree(*a)) or trees[-1])
+    prompt = random_prompt(3, 128)
+    generated: list[int] = []
+    cfg = TreeConfig(total_tokens=20, depth=4, top_k=3)
+    for _, new in zip(range(4), decode(target, drafter, prompt, 200, cfg, GREEDY, None, DecodeStats())):
+        if trees:  # the tree of the round that just ended, drafted after the tokens generated before it
+            tree = trees[-1]
+            committed = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long)])
+            assert int(tree.tokens[0]) == generated[-1]
+            for i in range(tree.size):
+                if tree.q_row[i] < 0:
+                    continue
+                path_tokens = tree.tokens[tree.anc[i]]
+                if kind == "noisy":
+                    ref = drafter.model.model(torch.cat([committed, path_tokens])[None]).logits[0, -1]
+                else:
+                    ref = reference_eagle_logits(drafter.head, model, committed, path_tokens)
+                torch.testing.assert_close(tree.q_logits[tree.q_row[i]], ref, atol=1e-4, rtol=1e-4)
+        generated += new
+    assert len(trees) == 3
+
+
+# ----------------------------------------------------------------------------------- 4. head loading
+
+
+def _eagle_layout_state(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the published EAGLE key names (written out here, not taken from our module);
+    with ``qkv_bias`` (EAGLE's Qwen2 heads) q/k/v have biases too."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    shapes = {
+        "fc.weight": (h, 2 * h), "fc.bias": (h,),
+        "layers.0.self_attn.q_proj.weight": (h, h), "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h), "layers.0.self_attn.o_proj.weight": (h, h),
+        "layers.0.mlp.gate_proj.weight": (i, h), "layers.0.mlp.up_proj.weight": (i, h),
+        "layers.0.mlp.down_proj.weight": (h, i), "layers.0.post_attention_layernorm.weight": (h,),
+        "embed_tokens.weight": (v, h),
+    }
+    if cfg.get("qkv_bias"):
+        shapes.update({"layers.0.self_attn.q_proj.bias": (h,), "layers.0.self_attn.k_proj.bias": (kv,),
+                       "layers.0.self_attn.v_proj.bias": (kv,)})
+    gen = torch.Generator().manual_seed(seed)
+    return {k: 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def _eagle_layout_config(target_config, qkv_bias: bool = False) -> dict:
+    c = target_config
+    raw = {"architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size,
+           "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+           "num_key_value_heads": c.num_key_value_heads, "vocab_size": c.vocab_size, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "max_position_embeddings": c.max_position_embeddings}
+    if qkv_bias:
+        raw["qkv_bias"] = True
+    return raw
+
+
+def _assert_decodes_exactly(model, head):
+    target = Target(model)
+    drafter = EagleDrafter(head, target)
+    prompt = random_prompt(4, 128)
+    ref = reference_greedy(model, prompt, 16)
+    for tree in (TREES["default"], TREES["chain"]):
+        assert run_decode(target, drafter, prompt, 16, tree)[0] == ref
+
+
+@pytest.mark.parametrize("arch,weights_file", [("llama", "pytorch_model.bin"), ("llama", "model.safetensors"),
+                                               ("qwen2", "pytorch_model.bin")])
+def test_published_eagle_layout_head_loads_and_decodes(tmp_path, tiny_llama, tiny_qwen2, arch, weights_file):
+    from safetensors.torch import save_file
+
+    model = tiny_llama if arch == "llama" else tiny_qwen2
+    raw = _eagle_layout_config(model.config, qkv_bias=arch == "qwen2")
+    state = _eagle_layout_state(raw)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if weights_file.endswith(".bin"):
+        torch.save(state, tmp_path / weights_file)
+    else:
+        save_file(state, tmp_path / weights_file)
+    head = load_head(tmp_path, model.config, CPU, torch.float32)
+    loaded = head.state_dict()
+    assert set(loaded) == set(state) - {"embed_tokens.weight"}  # nothing dropped but the embedding
+    for key, value in loaded.items():
+        assert torch.equal(value, state[key]), key
+    assert head.config.rms_norm_eps == 1e-5
+    _assert_decodes_exactly(model, head)
+
+
+def test_head_weights_that_would_be_ignored_are_refused(tmp_path, tiny_llama):
+    from fsd_eagle.errors import HeadMismatchError
+
+    raw = _eagle_layout_config(tiny_llama.config)
+    state = _eagle_layout_state(raw)
+    state["layers.1.post_attention_layernorm.weight"] = torch.ones(raw["hidden_size"])  # a 2-layer head
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    with pytest.raises(HeadMismatchError, match="layers.1"):
+        load_head(tmp_path, tiny_llama.config, CPU, torch.float32)
+
+
+def test_own_head_format_round_trip(tmp_path, tiny_llama):
+    torch.manual_seed(7)
+    head = EagleHead(HeadConfig.for_target(tiny_llama.config)).eval()
+    save_head(head, tmp_path / "fp32", dtype=torch.float32)
+    save_head(head, tmp_path / "bf16")  # default: bfloat16 weights
+    exact = load_head(tmp_path / "fp32", tiny_llama.config, CPU, torch.float32)
+    rounded = load_head(tmp_path / "bf16", tiny_llama.config, CPU, torch.float32)
+    assert exact.config == head.config
+    for key, value in head.state_dict().items():
+        assert torch.equal(exact.state_dict()[key], value), key
+        assert torch.equal(rounded.state_dict()[key], value.bfloat16().float()), key
+    _assert_decodes_exactly(tiny_llama, exact)
+
+
+# ------------------------------------------------------------------- 5. sampling is lossless
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) restricted to the smallest top set with mass >= top_p (float64, renormalized)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = p.sort(-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < top_p)
+        p = torch.where(keep, p, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
+    """Goodness of fit of ``counts`` to the probabilities ``expected`` (cells with an expected count below
+    5 are pooled); p-value via the regularized upper incomplete gamma function."""
+    if not set(counts) <= {c for c, p in expected.items() if p > 0}:
+        return 0.0  # a sample the model cannot produce
+    cells = sorted(expected, key=lambda c: expected[c])
+    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
+    for c in cells:
+        e = expected[c] * n
+        if e < 5:
+            pool_o, pool_e = pool_o + counts.get(c, 0), pool_e + e
+        else:
+            obs.append(counts.get(c, 0))
+            exp.append(e)
+    if pool_e > 0:
+        if pool_e < 5 and exp:  # still too small: merge with the smallest big cell
+            obs[0], exp[0] = obs[0] + pool_o, exp[0] + pool_e
+        else:
+            obs.append(pool_o)
+            exp.append(pool_e)
+    obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
+    df = len(obs) - 1
+    assert df >= 3
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+STAT_VOCAB = 12
+
+
+def make_stat_setup():
+    """A one-layer model with a small vocabulary, a noisy copy as the drafter, and a fixed prompt."""
+    model = tiny_model("llama", vocab_size=STAT_VOCAB, hidden_size=32, num_layers=1, initializer_range=0.3, seed=3)
+    prompt = torch.tensor([1, 5, 3, 7])
+    with torch.no_grad():
+        first = model(prompt[None]).logits[0, -1]
+        second = model(torch.cat([prompt.expand(STAT_VOCAB, -1), torch.arange(STAT_VOCAB)[:, None]], 1)).logits[:, -1]
+    return model, Target(model), ModelDrafter(Target(noisy_copy(model, 0.2))), prompt, first, second
+
+
+@pytest.fixture(scope="module")
+def stat_setup():
+    return make_stat_setup()
+
+
+def exact_pair_distribution(first, second, temperature, top_p) -> dict:
+    p1 = reference_probs(first, temperature, top_p)
+    p2 = reference_probs(second, temperature, top_p)
+    return {(a, b): float(p1[a] * p2[a, b]) for a, b in product(range(STAT_VOCAB), repeat=2)}
+
+
+# Only the root's children decide the second token: a depth-1 tree keeps each sample cheap.
+STAT_TREE = TreeConfig(total_tokens=4, depth=1, top_k=3)
+
+
+def sample_pairs(setup, rule, n, seed, tree=STAT_TREE):
+    _, target, drafter, prompt, _, _ = setup
+    gen = torch.Generator().manual_seed(seed)
+    counts: Counter = Counter()
+    accepted = 0
+    for _ in range(n):
+        out, stats = run_decode(target, drafter, prompt, 2, tree, rule, gen)
+        counts[tuple(out)] += 1
+        accepted += stats.accept_lengths[0] > 1
+    return counts, accepted / n
+
+
+@pytest.mark.parametrize("temperature,top_p,n", [(1.0, 1.0, 2000), (0.7, 0.9, 2000)])
+def test_sampling_decode_is_lossless(stat_setup, temperature, top_p, n):
+    rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
+    counts, accept_rate = sample_pairs(stat_setup, rule, n, seed=0)
+    assert accept_rate > 0.3  # the draft's children are really accepted, often
+    expected = exact_pair_distribution(stat_setup[4], stat_setup[5], temperature, top_p)
+    assert chi_square_pvalue(counts, expected, n) > 1e-3
+
+
+def _break_acceptance(monkeypatch):
+    """Accept a child with probability min(1, 2 p / residual) instead of p / residual (u is halved)."""
+    rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: rand(*a, **k) * 0.5)
+
+
+def _break_residual(monkeypatch):
+    """Sample the bonus from p without removing the rejected children."""
+    monkeypatch.setattr(verify_module, "_remove", lambda p, tokens, drop: p)
+
+
+BROKEN = {"double_acceptance": _break_acceptance, "keep_rejected": _break_residual}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_sampling_test_detects_a_broken_rule(stat_setup, monkeypatch, broken):
+    BROKEN[broken](monkeypatch)
+    rule = AcceptanceRule(SamplingConfig(temperature=1.0))
+    n = 400  # the effect is large: p-values below 1e-13 at 600 samples
+    counts, _ = sample_pairs(stat_setup, rule, n, seed=0)
+    expected = exact_pair_distribution(stat_setup[4], stat_setup[5], 1.0, 1.0)
+    assert chi_square_pvalue(counts, expected, n) < 1e-3
+
+
+def _synthetic_tree():
+    """root(0) -> children tokens 2, 0, 4 (draft order); node 1 (token 2) -> 1, 3; node 4 (token 1) -> 5."""
+    from fsd_eagle.tree import DraftTree
+
+    tokens = torch.tensor([5, 2, 0, 4, 1, 3, 5])
+    parents = torch.tensor([0, 0, 0, 0, 1, 1, 4])
+    depths = torch.tensor([0, 1, 1, 1, 2, 2, 3])
+    scores = torch.tensor([0.0, -0.5, -1.0, -2.0, -1.0, -1.5, -1.2])
+    n = tokens.shape[0]
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[parents[i]]
+    return DraftTree(tokens, parents, depths, anc, scores, None, torch.full((n,), -1), max_depth=3)
+
+
+def exact_sequence_distribution(tree, probs: torch.Tensor) -> dict:
+    """Probability of each generated sequence (accepted drafts, then the bonus): a walk from the root that
+    continues while the token is a child of the current node."""
+    children = {}
+    for c in range(1, tree.size):
+        children.setdefault(int(tree.parents[c]), {})[int(tree.tokens[c])] = c
+    dist = {}
+
+    def walk(node, prefix, prob):
+        for tok in range(probs.shape[1]):
+            p = prob * float(probs[node, tok])
+            if p == 0:
+                continue
+            child = children.get(node, {}).get(tok)
+            if child is None:
+                dist[prefix + (tok,)] = p
+            else:
+                walk(child, prefix + (tok,), p)
+
+    walk(0, (), 1.0)
+    return dist
+
+
+def sample_verify(tree, logits, rule, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    counts: Counter = Counter()
+    for _ in range(n):
+        v = verify_tree(tree, logits, rule, gen)
+        a = int(v.n_accepted)
+        seq = tuple(int(t) for t in tree.tokens[v.path[1:a]].tolist()) + (int(v.bonus),)
+        counts[seq] += 1
+    return counts
+
+
+SYNTH_LOGITS = torch.tensor([
+    [0.5, 0.0, 1.5, -1.0, 1.0, -0.5],
+    [0.0, 1.2, -0.3, 0.9, 0.1, -1.0],
+    [1.0, -1.0, 0.0, 0.5, 0.2, 0.3],
+    [0.3, 0.3, 0.3, -2.0, 1.0, 0.0],
+    [-0.5, 0.4, 0.8, 0.0, 0.2, 1.1],
+    [0.0, 0.0, 1.0, 1.0, -1.0, 0.5],
+    [1.0, 0.5, 0.0, -0.5, -1.0, 0.2],
+])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_verify_sampling_matches_the_target_distribution(temperature, top_p):
+    tree = _synthetic_tree()
+    rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
+    n = 2500
+    counts = sample_verify(tree, SYNTH_LOGITS, rule, n, seed=1)
+    expected = exact_sequence_distribution(tree, reference_probs(SYNTH_LOGITS, temperature, top_p))
+    assert abs(sum(expected.values()) - 1) < 1e-9
+    assert sum(c for s, c in counts.items() if len(s) > 2) > 0.1 * n  # deep paths are exercised
+    assert chi_square_pvalue(counts, expected, n) > 1e-3
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_verify_statistical_test_detects_a_broken_rule(monkeypatch, broken):
+    BROKEN[broken](monkeypatch)
+    tree = _synthetic_tree()
+    n = 1000
+    counts = sample_verify(tree, SYNTH_LOGITS, AcceptanceRule(SamplingConfig(temperature=1.0)), n, seed=1)
+    expected = exact_sequence_distribution(tree, reference_probs(SYNTH_LOGITS, 1.0, 1.0))
+    assert chi_square_pvalue(counts, expected, n) < 1e-3

@@ -1,0 +1,165 @@
+"""``python -m training run RECIPE --out DIR`` trains a draft head end to end (data -> optional
+self-distillation -> online features -> training -> validation tau -> export);
+``python -m training data prepare ...`` builds a conversation file (see training/data.py)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from fsd_eagle.api import SpeculativeGenerator
+from fsd_eagle.config import TreeConfig
+from fsd_eagle.errors import FSDError, InputError
+from fsd_eagle.head import EagleHead, HeadConfig
+from fsd_eagle.models import load_target, resolve_device, resolve_dtype
+from fsd_eagle.target import Target
+
+from .data import main as data_main, read_conversations, write_conversations
+from .features import tokenize_conversation
+from .recipe import Recipe
+from .train import export_head, train
+
+
+def _is_val(conv_id: str, fraction: float) -> bool:
+    return int(hashlib.sha1(conv_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+_TOKENIZER = None
+
+
+def _init_worker(path: str) -> None:
+    global _TOKENIZER
+    from transformers import AutoTokenizer
+    _TOKENIZER = AutoTokenizer.from_pretrained(path)
+
+
+def _tokenize(args):
+    messages, max_len = args
+    return tokenize_conversation(_TOKENIZER, messages, max_len)
+
+
+def tokenize_all(tokenizer, tokenizer_dir: str, convs, max_len: int, workers: int):
+    jobs = [(c.messages, max_len) for c in convs]
+    if workers <= 1 or len(jobs) < 1000:
+        return [e for e in (tokenize_conversation(tokenizer, m, n) for m, n in jobs) if e is not None]
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(tokenizer_dir,)) as pool:
+        return [e for e in pool.map(_tokenize, jobs, chunksize=64) if e is not None]
+
+
+def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if overwrite:
+            shutil.rmtree(out)
+        elif not resume:
+            raise InputError(f"{out} already holds a training run: pass --resume to continue it or --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = Recipe.load(args.recipe)
+    if args.target:
+        recipe.target = args.target
+    for key in ("epochs", "distill_count"):
+        if getattr(args, key) is not None:
+            setattr(recipe, key, getattr(args, key))
+    if args.data:
+        recipe.data = args.data
+    if not recipe.data:
+        raise InputError("no training data: give --data FILE (from 'python -m training data prepare') or set it in the recipe")
+    out = Path(args.out)
+    prepare_out(out, args.resume, args.overwrite)
+    device = resolve_device(args.device)
+    model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
+    tok_dir = str(Path(recipe.target) if recipe.target else Path(model.config._name_or_path))
+    convs = [c for path in recipe.data for c in read_conversations(Path(path))]
+    if not convs:
+        raise InputError("the training data holds no conversation")
+    val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
+    train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
+    timings = {}
+    if recipe.distill:
+        cache = out / "distilled.jsonl.gz"
+        if cache.exists():
+            distilled = list(read_conversations(cache))
+        else:
+            from .distill import distill
+            t = time.perf_counter()
+            pool = train_convs[: recipe.distill_count or None]
+            distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
+                                recipe.distill_new_tokens)
+            write_conversations(distilled, cache)
+            timings["distill_s"] = round(time.perf_counter() - t, 1)
+        train_convs = train_convs + distilled
+    if args.stage == "distill":
+        print(json.dumps({"distilled": len(distilled) if recipe.distill else 0, **timings}))
+        return 0
+    t = time.perf_counter()
+    examples = tokenize_all(tokenizer, tok_dir, train_convs, recipe.max_len, args.workers)
+    n_tokens = sum(int(e.mask.sum()) for e in examples)
+    timings["tokenize_s"] = round(time.perf_counter() - t, 1)
+    print(json.dumps({"conversations": len(train_convs), "examples": len(examples), "loss_tokens": n_tokens,
+                      "val_prompts": len(val), **timings}), flush=True)
+    target = Target(model)
+    head = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(device)
+    val_prompts = [c.messages[: next(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
+                   for c in val[: recipe.val_prompts]]
+
+    def validate(h: EagleHead) -> dict:
+        gen = SpeculativeGenerator(model, tokenizer, copy.deepcopy(h).to(model.dtype).eval(), tree=TreeConfig())
+        forwards = tokens = 0
+        for msgs in val_prompts:
+            r = gen.generate(msgs, recipe.val_new_tokens)
+            forwards, tokens = forwards + r.stats.target_forwards, tokens + r.stats.new_tokens
+        return {"val_tau": round(tokens / max(1, forwards), 3)}
+
+    t = time.perf_counter()
+    log = train(target, head, examples, recipe, out, resume=args.resume, validate=validate if val_prompts else None,
+                time_budget_s=args.time_budget)
+    timings["train_s"] = round(time.perf_counter() - t, 1)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    final = export_head(head, out, recipe, log, {"examples": len(examples), "loss_tokens": n_tokens,
+                                                "device": device_name, **timings})
+    print(json.dumps({"head": str(final), **timings, "final": log[-1] if log else None}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "data":
+        return data_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m training", description="train an EAGLE draft head")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train a head from a recipe")
+    r.add_argument("recipe")
+    r.add_argument("--out", required=True)
+    r.add_argument("--target", help="local target folder (overrides the recipe)")
+    r.add_argument("--data", action="append", help="conversation file(s) (override the recipe)")
+    r.add_argument("--epochs", type=int)
+    r.add_argument("--distill-count", type=int)
+    r.add_argument("--stage", choices=("distill", "all"), default="all")
+    r.add_argument("--resume", action="store_true")
+    r.add_argument("--overwrite", action="store_true")
+    r.add_argument("--device")
+    r.add_argument("--dtype")
+    r.add_argument("--workers", type=int, default=8)
+    r.add_argument("--time-budget", type=float, help="seconds of training; the schedule is fitted to it")
+    sub.add_parser("data", help="prepare conversation files (python -m training data prepare --help)")
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except FSDError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

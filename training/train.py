@@ -1,0 +1,164 @@
+"""The EAGLE head training loop: online target features, SmoothL1 on the next feature plus soft
+cross-entropy against the target's next-token distribution, uniform input noise, AdamW with warm-up."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from fsd_eagle.errors import InputError
+from fsd_eagle.head import EagleHead
+from fsd_eagle.models import save_head
+from fsd_eagle.target import Target
+
+from .features import Example, collate, make_batches, target_features
+from .recipe import Recipe
+
+
+def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor,
+              recipe: Recipe) -> tuple[torch.Tensor, dict]:
+    """Row t reads (e(x_{t+1}), f_t + noise) and predicts f_{t+1}; rows count where x_{t+1} is an
+    assistant token. Returns the loss and metrics (feature loss, CE, top-1 accuracy vs the target)."""
+    f = target_features(target, ids, attn)
+    f_in, f_next = f[:, :-1], f[:, 1:]
+    if recipe.noise > 0:
+        f_in = f_in + (torch.rand_like(f_in) - 0.5) * recipe.noise
+    emb = target.embed(ids[:, 1:])
+    pos = torch.arange(ids.shape[1] - 1, device=ids.device).expand(ids.shape[0], -1)
+    pred = head(emb, f_in.to(emb.dtype), pos)
+    rows = (mask[:, 1:] & attn[:, 1:]).flatten()
+    pred, f_next = pred.flatten(0, 1)[rows], f_next.flatten(0, 1)[rows]
+    feat = F.smooth_l1_loss(pred.float(), f_next.float())
+    with torch.no_grad():
+        p = target.logits(f_next).softmax(-1)
+    logq = torch.log_softmax(target.logits(pred), dim=-1)
+    ce = -(p * logq).sum(-1).mean()
+    acc = (logq.argmax(-1) == p.argmax(-1)).float().mean()
+    return recipe.feature_weight * feat + recipe.ce_weight * ce, {"feat": feat.detach(), "ce": ce.detach(), "acc": acc}
+
+
+def lr_at(step: int, total: int, recipe: Recipe) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    frac = (step - recipe.warmup_steps) / max(1, total - recipe.warmup_steps)
+    return recipe.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step: int, epoch: int, log: list) -> None:
+    """Head + optimizer state as safetensors and progress as JSON, written atomically (tmp + rename)."""
+    ck = out / "checkpoint"
+    tmp = out / "checkpoint.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}, tmp / "head.safetensors")
+    opt_state = {}
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            opt_state[f"{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().float().cpu().reshape(v.shape if torch.is_tensor(v) else ())
+    save_file(opt_state, tmp / "optimizer.safetensors")
+    (tmp / "progress.json").write_text(json.dumps({"step": step, "epoch": epoch, "log": log}))
+    if ck.exists():
+        for f in ck.iterdir():
+            f.unlink()
+        ck.rmdir()
+    tmp.rename(ck)
+
+
+def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> tuple[int, int, list]:
+    ck = out / "checkpoint"
+    head.load_state_dict(load_file(ck / "head.safetensors"))
+    flat = load_file(ck / "optimizer.safetensors")
+    sd = opt.state_dict()
+    for key, v in flat.items():
+        i, k = key.split(".", 1)
+        sd["state"].setdefault(int(i), {})[k] = v.to(next(head.parameters()).device) if k != "step" else v
+    opt.load_state_dict(sd)
+    prog = json.loads((ck / "progress.json").read_text())
+    return prog["step"], prog["epoch"], prog["log"]
+
+
+def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Recipe, out: Path,
+          resume: bool = False, validate=None, time_budget_s: float | None = None) -> list[dict]:
+    """Train ``head`` in place; checkpoints in ``out/checkpoint``; returns the per-epoch log.
+
+    ``validate(head) -> dict`` (optional) runs after each epoch (e.g. tau measured by decoding).
+    ``time_budget_s``: after 60 steps the step time is measured and the run shortened to fit the budget
+    (the LR schedule is rescaled to the new length, so it still ends decayed).
+    """
+    if not train_set:
+        raise InputError("no training examples")
+    device = target.device
+    torch.manual_seed(recipe.seed)
+    random.seed(recipe.seed)
+    head.train()
+    opt = torch.optim.AdamW(head.parameters(), lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay)
+    batches_per_epoch = len(make_batches(train_set, recipe.tokens_per_batch, recipe.seed))
+    total = batches_per_epoch * recipe.epochs
+    step, first_epoch, log = 0, 0, []
+    if resume and (out / "checkpoint").exists():
+        step, first_epoch, log = load_checkpoint(out, head, opt)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    started, first_step = time.perf_counter(), step
+    for epoch in range(first_epoch, recipe.epochs):
+        if step >= total:
+            break
+        batches = make_batches(train_set, recipe.tokens_per_batch, recipe.seed + epoch)
+        skip = step - epoch * batches_per_epoch
+        bar = tqdm(batches[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
+        sums, count, tokens, t0 = {"loss": 0.0, "feat": 0.0, "ce": 0.0, "acc": 0.0}, 0, 0, time.perf_counter()
+        for idx in bar:
+            ids, attn, mask = collate(train_set, idx, device)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, total, recipe)
+            with autocast:
+                loss, metrics = head_loss(head, target, ids, attn, mask, recipe)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
+            opt.step()
+            step += 1
+            tokens += int(attn.sum())
+            if step - first_step == 10:
+                tick = time.perf_counter()  # the first steps include one-time start-up costs
+            if time_budget_s and step - first_step == 60:
+                per_step = (time.perf_counter() - tick) / 50
+                total = min(total, step + int((time_budget_s - (time.perf_counter() - started)) / per_step))
+            if step >= total:
+                break
+            if step % 20 == 0:
+                vals = {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
+                for k in sums:
+                    sums[k] += vals[k]
+                count += 1
+                bar.set_postfix(loss=f"{vals['loss']:.3f}", acc=f"{vals['acc']:.3f}",
+                                tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            if step % recipe.checkpoint_every == 0:
+                save_checkpoint(out, head, opt, step, epoch, log)
+        entry = {"epoch": epoch + 1, "step": step, **{k: v / max(1, count) for k, v in sums.items()},
+                 "seconds": round(time.perf_counter() - t0, 1)}
+        if validate is not None:
+            head.eval()
+            entry.update(validate(head))
+            head.train()
+        log.append(entry)
+        print(json.dumps(entry), flush=True)
+        save_checkpoint(out, head, opt, step, epoch + 1, log)
+    head.eval()
+    return log
+
+
+def export_head(head: EagleHead, out: Path, recipe: Recipe, log: list, extra: dict) -> Path:
+    """The final head in our format (bf16 safetensors) plus its recipe and training log."""
+    final = out / "head"
+    save_head(head, final, torch.bfloat16, extra={"training": extra})
+    (final / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
+    (final / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    return final
