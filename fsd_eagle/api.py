@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
-from .decode import DecodeStats, decode
+from .decode import DecodeStats, RoundRunner, decode
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, InputError
 from .head import EagleHead, HeadConfig
@@ -59,6 +59,8 @@ class SpeculativeGenerator:
         self.target = Target(model)
         self.tokenizer = tokenizer
         self.tree = tree
+        self.cuda_graphs = True  # replay each round as a CUDA graph on GPUs (greedy rules)
+        self._runners: dict = {}
         self.drafter: SlotDrafter | None = None
         if head is not None and draft_model is not None:
             raise ConfigError("use either a draft head or a draft model, not both")
@@ -185,12 +187,21 @@ class SpeculativeGenerator:
                 result = piece
         return result
 
+    def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
+        """The reusable round runner (state buffers, captured graph) for this drafter, tree and rule."""
+        drafter = drafter if self.tree.drafts else None
+        key = (drafter is not None, self.tree, rule, self.cuda_graphs)
+        if key not in self._runners:
+            self._runners[key] = RoundRunner(self.target, drafter, self.tree, rule,
+                                             use_graph=None if self.cuda_graphs else False)
+        return self._runners[key]
+
     def _run(self, call: _Call) -> Iterator[str | GenerationResult]:
         drafter = None if call.autoregressive else self.drafter
         tokens: list[int] = []
         text, reason = "", "max_new_tokens"
         for new in decode(self.target, drafter, call.prompt_ids, call.max_new_tokens, self.tree, call.rule,
-                          call.generator, call.stats):
+                          call.generator, call.stats, self._runner(drafter, call.rule)):
             for tok in new:
                 if tok in self.eos_ids:
                     reason = "eos"

@@ -7,6 +7,7 @@ Plain autoregressive decoding is the same loop with no drafter: the tree is the 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -46,21 +47,144 @@ class DecodeStats:
 
 
 def plan_cache(prompt_len: int, max_new_tokens: int, tree: TreeConfig) -> int:
-    """Slots a call needs: prompt, output, and one round's tree plus its padded accepted path."""
-    return prompt_len + max_new_tokens + tree.total_tokens + tree.depth + 2
+    """Cache slots a call needs (prompt, output, one round's tree and padded path), rounded up to a multiple
+    of 256 so that calls of similar size share one allocation and one captured graph."""
+    need = prompt_len + max_new_tokens + tree.total_tokens + tree.depth + 2
+    return -(-need // 256) * 256
+
+
+@dataclass
+class RoundState:
+    """What one round hands the next, as device tensors updated in place (a captured graph reads them):
+    the root token (the target's last choice), and the drafter's root logits ``[V]`` and state ``[s]``."""
+
+    root_token: torch.Tensor
+    root_logits: torch.Tensor | None = None
+    root_state: torch.Tensor | None = None
+
+
+def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tree_cfg: TreeConfig,
+              rule: AcceptanceRule, generator: torch.Generator | None) -> torch.Tensor:
+    """draft tree -> verify forward -> acceptance rule -> commit to both KV caches.
+
+    Returns ``[4 + P]`` float64 (token ids are exact in float64): n_accepted, fuzzy_extra, div_count,
+    div_sum, then the P = depth + 1 next tokens (the first n_accepted are this round's new tokens).
+    """
+    if drafter is not None:
+        tree = draft_tree(drafter, state.root_token, state.root_logits, state.root_state, tree_cfg)
+    else:
+        tree = root_tree(state.root_token)
+    features = target.forward_tree(tree.tokens, tree.depths, tree.anc)
+    verdict = verify_tree(tree, target.logits(features), rule, generator)
+    target.commit(verdict.path, verdict.n_accepted)
+    next_tokens = _next_tokens(tree, verdict)
+    if drafter is not None:
+        root = drafter.commit(next_tokens, features.index_select(0, verdict.path), verdict.n_accepted)
+        state.root_logits.copy_(root.logits)
+        state.root_state.copy_(root.state)
+    state.root_token.copy_(verdict.bonus)
+    meta = torch.stack([verdict.n_accepted, verdict.fuzzy_extra, verdict.div_count]).double()
+    return torch.cat([meta, verdict.div_sum.double().reshape(1), next_tokens.double()])
+
+
+class RoundRunner:
+    """Runs rounds for one (target, drafter, tree, rule): eagerly, or on CUDA by replaying a captured graph
+    of ``run_round`` (captured on first use; eager again wherever capture fails, with the same outputs).
+
+    Keep one runner per configuration: its RoundState buffers and its graph are reused across calls.
+    """
+
+    def __init__(self, target: Target, drafter: SlotDrafter | None, tree_cfg: TreeConfig, rule: AcceptanceRule,
+                 use_graph: bool | None = None) -> None:
+        self.target, self.drafter, self.tree_cfg, self.rule = target, drafter, tree_cfg, rule
+        dev = target.device
+        self.state = RoundState(torch.zeros((), dtype=torch.long, device=dev))
+        if use_graph is None:  # sampling draws from a per-call generator: graphs only for greedy rules
+            use_graph = dev.type == "cuda" and rule.sampling.greedy
+        self.use_graph = use_graph
+        self.graph = None
+        self.captured_for = None
+
+    def start(self, root_token: torch.Tensor, root: DraftRoot | None) -> None:
+        """Load the prefill's results into the persistent state."""
+        st = self.state
+        st.root_token.copy_(root_token)
+        if root is not None:
+            if st.root_logits is None or st.root_logits.shape != root.logits.shape:
+                st.root_logits, st.root_state = root.logits.clone(), root.state.clone()
+            st.root_logits.copy_(root.logits)
+            st.root_state.copy_(root.state)
+
+    def __call__(self, generator: torch.Generator | None) -> torch.Tensor:
+        if self.use_graph:
+            caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
+            if self.graph is None or self.captured_for is None or any(a is not b for a, b in zip(caches, self.captured_for)):
+                self.graph = capture(lambda: run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, None),
+                                     self._state_tensors())
+                self.captured_for = caches
+                self.use_graph = self.graph is not None
+            if self.graph is not None:
+                self.graph.replay()
+                return self.graph.output
+        return run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        st = self.state
+        tensors = [self.target.length, st.root_token]
+        if self.drafter is not None:
+            tensors += [self.drafter.length, st.root_logits, st.root_state]
+        return tensors
+
+
+class _Graph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
+        self.graph, self.output = graph, output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def capture(fn, state: list[torch.Tensor]) -> _Graph | None:
+    """Capture ``fn`` (one round) in a CUDA graph. Warm-up runs on a side stream and ``state`` is restored
+    after each, so capturing changes nothing (a round only writes cache rows past the committed prefix).
+    Returns None (eager fallback) if the round cannot be captured."""
+    saved = [t.clone() for t in state]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+                for t, v in zip(state, saved):
+                    t.copy_(v)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    except RuntimeError as e:  # e.g. an op that syncs or is not capturable in this torch build
+        torch.cuda.synchronize()
+        for t, v in zip(state, saved):
+            t.copy_(v)
+        warnings.warn(f"CUDA graph capture failed, decoding eagerly: {str(e).splitlines()[0]}")
+        return None
+    return _Graph(graph, out)
 
 
 def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor, max_new_tokens: int,
            tree_cfg: TreeConfig, rule: AcceptanceRule, generator: torch.Generator | None,
-           stats: DecodeStats) -> Iterator[list[int]]:
+           stats: DecodeStats, runner: RoundRunner | None = None) -> Iterator[list[int]]:
     """Yield the new token ids of each round (the caller stops iterating on EOS / stop strings).
 
     prompt_ids ``[L]`` on the target's device. ``stats`` is filled as rounds complete; at most
-    ``max_new_tokens`` ids are yielded in total.
+    ``max_new_tokens`` ids are yielded in total. ``runner``: a reusable RoundRunner for this configuration
+    (default: a fresh eager one).
     """
     if max_new_tokens < 1:  # the prefill would already produce one token
         return
     drafting = drafter is not None and tree_cfg.drafts
+    drafter = drafter if drafting else None
+    if runner is None:
+        runner = RoundRunner(target, drafter, tree_cfg, rule, use_graph=False)
     start = time.perf_counter()
     max_len = plan_cache(prompt_ids.shape[0], max_new_tokens, tree_cfg)
     target.allocate(max_len)
@@ -70,23 +194,14 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     if drafting:
         drafter.allocate(max_len, tree_cfg)
         root = drafter.prefill(torch.cat([prompt_ids, root_token[None]]), features)
+    runner.start(root_token, root)
     stats.target_forwards += 1
     produced = 1
     stats.new_tokens += 1
     stats.elapsed_s = time.perf_counter() - start
     yield [int(root_token)]
     while produced < max_new_tokens:
-        tree = draft_tree(drafter, root_token, root.logits, root.state, tree_cfg) if drafting else root_tree(root_token)
-        features = target.forward_tree(tree.tokens, tree.depths, tree.anc)
-        verdict = verify_tree(tree, target.logits(features), rule, generator)
-        target.commit(verdict.path, verdict.n_accepted)
-        next_tokens = _next_tokens(tree, verdict)
-        if drafting:
-            root = drafter.commit(next_tokens, features[verdict.path], verdict.n_accepted)
-        root_token = verdict.bonus
-        # The round's only host sync: counters and tokens in one transfer (ids are exact in float64).
-        meta = torch.stack([verdict.n_accepted, verdict.fuzzy_extra, verdict.div_count]).double()
-        host = torch.cat([meta, verdict.div_sum.double()[None], next_tokens.double()]).tolist()
+        host = runner(generator).tolist()  # the round's only host sync
         n_acc, fuzzy_extra, div_count, div_sum = int(host[0]), int(host[1]), int(host[2]), host[3]
         new = [int(t) for t in host[4: 4 + n_acc]][: max_new_tokens - produced]
         produced += len(new)
@@ -102,5 +217,5 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
 
 def _next_tokens(tree: DraftTree, verdict: Verdict) -> torch.Tensor:
     """``[P]``: the token after each accepted path node (the next accepted draft, then the bonus)."""
-    nxt = torch.cat([tree.tokens[verdict.path[1:]], verdict.bonus[None]])
-    return nxt.scatter(0, (verdict.n_accepted - 1)[None], verdict.bonus[None])
+    nxt = torch.cat([tree.tokens[verdict.path[1:]], verdict.bonus.reshape(1)])
+    return nxt.scatter(0, (verdict.n_accepted - 1).reshape(1), verdict.bonus.reshape(1))

@@ -16,6 +16,7 @@ import torch
 from .cache import attention_mask
 from .config import TreeConfig
 from .head import EagleHead
+from .ops import pick
 from .target import Target
 
 
@@ -49,7 +50,7 @@ class SlotDrafter:
         slots = self.length + idx
         mask = attention_mask(self.length, slots, idx.unsqueeze(1) >= idx.unsqueeze(0), self.max_len)
         states = self._forward(next_tokens, features, slots, slots, mask)
-        state = states[n_accepted - 1]
+        state = pick(states, n_accepted - 1)
         self.length += n_accepted
         return DraftRoot(self._logits(state[None])[0], state)
 
@@ -105,6 +106,10 @@ class ModelDrafter(SlotDrafter):
     def allocate(self, max_len: int, tree: TreeConfig) -> None:
         self.model.allocate(max_len + 1 + (tree.depth - 1) * tree.top_k)
         self.max_len = self.model.cache.max_len
+
+    @property
+    def cache(self):
+        return self.model.cache
 
     def _forward(self, tokens, states, positions, slots, mask):
         return self.model.run(tokens, positions, slots, mask)

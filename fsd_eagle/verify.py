@@ -14,6 +14,7 @@ import torch
 from .config import FuzzyConfig, SamplingConfig
 from .divergence import divergence
 from .sampling import process_logits, sample
+from .ops import pick
 from .tree import DraftTree
 
 
@@ -88,7 +89,7 @@ def top_children(tree: DraftTree) -> torch.Tensor:
 def root_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     """Root-to-``node`` indices ``[max_depth + 1]`` (nodes are depth-ordered), padded with ``node``."""
     idx = torch.arange(tree.size, device=node.device)
-    path = torch.sort(torch.where(tree.anc[node], idx, tree.size + idx)).values[: tree.max_depth + 1]
+    path = torch.sort(torch.where(pick(tree.anc, node), idx, tree.size + idx)).values[: tree.max_depth + 1]
     return torch.where(path < tree.size, path, node)
 
 
@@ -108,8 +109,8 @@ def _accept_greedy(tree, logits, fuzzy_ok, rule, generator):
     fuzzy_ok[0] = True
     ok = fuzzy_ok if rule.fuzzy.mode == "pure" else exact_ok | fuzzy_ok
     best = deepest_accepted(tree, ok)
-    exact_len = tree.depths[deepest_accepted(tree, exact_ok)] + 1
-    return root_path(tree, best), tree.depths[best] + 1, argmax[best], exact_len
+    exact_len = pick(tree.depths, deepest_accepted(tree, exact_ok)) + 1
+    return root_path(tree, best), pick(tree.depths, best) + 1, pick(argmax, best), exact_len
 
 
 def _accept_sampling(tree, logits, fuzzy_ok, rule, generator):
@@ -129,7 +130,7 @@ def _accept_sampling(tree, logits, fuzzy_ok, rule, generator):
     exact_len = n_acc.clone()
     bonus = torch.zeros((), dtype=torch.long, device=dev)
     for _ in range(tree.max_depth):
-        p = probs[cur]
+        p = pick(probs, cur)
         children = (tree.parents == cur) & (idx > 0)
         p_child = torch.where(children, p[tree.tokens], 0.0)
         rejected_before = torch.cumsum(p_child, 0) - p_child
@@ -138,7 +139,7 @@ def _accept_sampling(tree, logits, fuzzy_ok, rule, generator):
         exact_step = success.any()  # the exact rule accepts a child here (statistics, also in pure mode)
         exact_go = exact_step & (not pure)
         top_child = torch.argmax((children & top).int())
-        fuzzy_go = children.any() & fuzzy_ok[top_child]
+        fuzzy_go = children.any() & pick(fuzzy_ok, top_child)
         go = exact_go | fuzzy_go
         nxt = torch.where(exact_go, torch.argmax(success.int()), top_child)
         stop_token = sample(p if pure else _remove(p, tree.tokens, children), generator)
@@ -148,7 +149,7 @@ def _accept_sampling(tree, logits, fuzzy_ok, rule, generator):
         cur = torch.where(alive & go, nxt, cur)
         n_acc = n_acc + (alive & go)
         alive = alive & go
-    bonus = torch.where(alive, sample(probs[cur], generator), bonus)
+    bonus = torch.where(alive, sample(pick(probs, cur), generator), bonus)
     return root_path(tree, cur), n_acc, bonus, exact_len
 
 
