@@ -115,8 +115,9 @@ def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits,
     node_parents = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
                               torch.where(par < 0, 0, node_of[par.clamp(min=0)])])
     n = n_keep + 1
-    anc = torch.eye(n, dtype=torch.bool, device=dev)
-    anc[torch.arange(n, device=dev), node_parents] = True
+    idx = torch.arange(n, device=dev)
+    # Item assignment with a Python scalar copies from the host (not graph-capturable): build masks instead.
+    anc = (idx.unsqueeze(1) == idx.unsqueeze(0)) | (node_parents.unsqueeze(1) == idx.unsqueeze(0))
     for _ in range(cfg.depth - 1):
         anc = anc | anc[node_parents]
     # q rows: the root is row 0, level-d frontier row j is row 1 + (d - 1) * k + j.

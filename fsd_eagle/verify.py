@@ -81,9 +81,7 @@ def top_children(tree: DraftTree) -> torch.Tensor:
     """``[n]`` bool: the node is its parent's child of highest draft probability."""
     best = torch.full((tree.size,), float("-inf"), device=tree.scores.device)
     best = best.scatter_reduce(0, tree.parents[1:], tree.scores[1:], reduce="amax")
-    top = tree.scores == best[tree.parents]
-    top[0] = False
-    return top
+    return (tree.scores == best[tree.parents]) & (torch.arange(tree.size, device=best.device) > 0)
 
 
 def root_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
@@ -103,10 +101,9 @@ def _accept_greedy(tree, logits, fuzzy_ok, rule, generator):
     """A node is ok if it is the target's argmax at its parent (exact) or passes the fuzzy test; in a tree
     both continue a branch, and the longest branch wins (so acceptance grows monotonically with T)."""
     argmax = logits.argmax(dim=-1)
-    exact_ok = tree.tokens == argmax[tree.parents]
-    exact_ok[0] = True
-    fuzzy_ok = fuzzy_ok.clone()
-    fuzzy_ok[0] = True
+    is_root = torch.arange(tree.size, device=logits.device) == 0
+    exact_ok = (tree.tokens == argmax[tree.parents]) | is_root
+    fuzzy_ok = fuzzy_ok | is_root
     ok = fuzzy_ok if rule.fuzzy.mode == "pure" else exact_ok | fuzzy_ok
     best = deepest_accepted(tree, ok)
     exact_len = pick(tree.depths, deepest_accepted(tree, exact_ok)) + 1

@@ -1,4 +1,5 @@
-"""Quick GPU check: CUDA-graph rounds give the same tokens as eager rounds, and how long a round takes."""
+"""Quick GPU check: a round has no host sync (sync debug mode), CUDA-graph rounds give the same tokens as
+eager rounds, and how long a round takes either way."""
 
 import sys
 import time
@@ -8,9 +9,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
+from fsd_eagle.decode import run_round  # noqa: E402
+from fsd_eagle.verify import AcceptanceRule  # noqa: E402
 
 gen = SpeculativeGenerator.load(device="cuda", dtype="bfloat16")
 prompt = "Explain how a transformer language model generates text, step by step."
+gen.cuda_graphs = False
+gen.generate(prompt, 32)
+runner = next(iter(gen._runners.values()))
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")
+try:
+    run_round(gen.target, gen.drafter, runner.state, gen.tree, AcceptanceRule(), None)
+    print("round without host sync: ok")
+except RuntimeError as e:
+    print("host sync inside a round:", e)
+finally:
+    torch.cuda.set_sync_debug_mode("default")
 for ar in (True, False):
     res = {}
     for graphs in (False, True):
