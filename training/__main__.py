@@ -55,12 +55,18 @@ def tokenize_all(tokenizer, tokenizer_dir: str, convs, max_len: int, workers: in
         return [e for e in pool.map(_tokenize, jobs, chunksize=64) if e is not None]
 
 
+def check_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Fail before any work if ``out`` cannot take this run (nothing is written or deleted here)."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a folder")
+    if out.exists() and any(out.iterdir()) and not (resume or overwrite):
+        raise InputError(f"{out} already holds a training run: pass --resume to continue it or --overwrite")
+
+
 def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if overwrite:
-            shutil.rmtree(out)
-        elif not resume:
-            raise InputError(f"{out} already holds a training run: pass --resume to continue it or --overwrite")
+    check_out(out, resume, overwrite)
+    if overwrite and out.exists() and any(out.iterdir()):
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -76,13 +82,15 @@ def run(args: argparse.Namespace) -> int:
     if not recipe.data:
         raise InputError("no training data: give --data FILE (from 'python -m training data prepare') or set it in the recipe")
     out = Path(args.out)
-    prepare_out(out, args.resume, args.overwrite)
-    device = resolve_device(args.device)
-    model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
-    tok_dir = str(Path(recipe.target) if recipe.target else Path(model.config._name_or_path))
+    check_out(out, args.resume, args.overwrite)
+    # Every input is read before ``out`` is created or cleared, so bad input leaves nothing behind.
     convs = [c for path in recipe.data for c in read_conversations(Path(path))]
     if not convs:
         raise InputError("the training data holds no conversation")
+    device = resolve_device(args.device)
+    model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
+    tok_dir = str(Path(recipe.target) if recipe.target else Path(model.config._name_or_path))
+    prepare_out(out, args.resume, args.overwrite)
     val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}

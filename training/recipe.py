@@ -48,6 +48,8 @@ class Recipe:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise InputError(f"recipe {path} is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise InputError(f"recipe {path} must be a JSON object of settings, not {type(raw).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known - {"comment"})
         if unknown:

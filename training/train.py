@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -64,6 +65,12 @@ def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step
         for k, v in st.items():
             opt_state[f"{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().float().cpu().reshape(v.shape if torch.is_tensor(v) else ())
     save_file(opt_state, tmp / "optimizer.safetensors")
+    # The RNG streams (input-feature noise), so a resumed run draws the noise an uninterrupted one would.
+    device = next(head.parameters()).device
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    save_file(rng, tmp / "rng.safetensors")
     (tmp / "progress.json").write_text(json.dumps({"step": step, "epoch": epoch, "log": log}))
     if ck.exists():
         for f in ck.iterdir():
@@ -81,6 +88,12 @@ def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> t
         i, k = key.split(".", 1)
         sd["state"].setdefault(int(i), {})[k] = v.to(next(head.parameters()).device) if k != "step" else v
     opt.load_state_dict(sd)
+    if (ck / "rng.safetensors").exists():
+        rng = load_file(ck / "rng.safetensors")
+        torch.set_rng_state(rng["cpu"])
+        device = next(head.parameters()).device
+        if device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], device)
     prog = json.loads((ck / "progress.json").read_text())
     return prog["step"], prog["epoch"], prog["log"]
 
@@ -113,7 +126,8 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
         batches = make_batches(train_set, recipe.tokens_per_batch, recipe.seed + epoch)
         skip = step - epoch * batches_per_epoch
         bar = tqdm(batches[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
-        sums, count, tokens, t0 = {"loss": 0.0, "feat": 0.0, "ce": 0.0, "acc": 0.0}, 0, 0, time.perf_counter()
+        # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch.
+        sums, count, tokens, t0 = torch.zeros(4, device=device), 0, 0, time.perf_counter()
         for idx in bar:
             ids, attn, mask = collate(train_set, idx, device)
             for group in opt.param_groups:
@@ -125,7 +139,10 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
             opt.step()
             step += 1
-            tokens += int(attn.sum())
+            tokens += sum(len(train_set[i].ids) for i in idx)
+            sums += torch.stack([loss.detach().float(), metrics["feat"].float(), metrics["ce"].float(),
+                                 metrics["acc"].float()])
+            count += 1
             if step - first_step == 10:
                 tick = time.perf_counter()  # the first steps include one-time start-up costs
             if time_budget_s and step - first_step == 60:
@@ -134,15 +151,13 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             if step >= total:
                 break
             if step % 20 == 0:
-                vals = {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
-                for k in sums:
-                    sums[k] += vals[k]
-                count += 1
-                bar.set_postfix(loss=f"{vals['loss']:.3f}", acc=f"{vals['acc']:.3f}",
+                mean = (sums / count).tolist()
+                bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[3]:.3f}",
                                 tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             if step % recipe.checkpoint_every == 0:
                 save_checkpoint(out, head, opt, step, epoch, log)
-        entry = {"epoch": epoch + 1, "step": step, **{k: v / max(1, count) for k, v in sums.items()},
+        means = (sums / max(1, count)).tolist()
+        entry = {"epoch": epoch + 1, "step": step, **dict(zip(("loss", "feat", "ce", "acc"), means)),
                  "seconds": round(time.perf_counter() - t0, 1)}
         if validate is not None:
             head.eval()
@@ -157,8 +172,13 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
 
 def export_head(head: EagleHead, out: Path, recipe: Recipe, log: list, extra: dict) -> Path:
     """The final head in our format (bf16 safetensors) plus its recipe and training log."""
-    final = out / "head"
-    save_head(head, final, torch.bfloat16, extra={"training": extra})
-    (final / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
-    (final / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    final, tmp = out / "head", out / "head.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_head(head, tmp, torch.bfloat16, extra={"training": extra})
+    (tmp / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
+    (tmp / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    if final.exists():  # a resumed run replaces the head it exported before
+        shutil.rmtree(final)
+    tmp.rename(final)  # written whole, then renamed: never a half-written head/ that looks complete
     return final

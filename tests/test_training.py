@@ -1,0 +1,442 @@
+"""End-to-end tests of the head trainer (``python -m training run``), offline on the CPU.
+
+Each target is a tiny random model saved to a temporary folder with an offline tokenizer that has a chat
+template: for Llama the word-level one of tests/test_api.py ("w5 w17 ..."); for Qwen2, whose model type makes
+transformers load a Qwen2Tokenizer whatever the folder declares, a byte-level BPE one (one token per ASCII
+byte), as real Qwen2 checkpoints ship. The conversations' assistant turns are the target's own greedy
+continuations, so the head has something to learn. Every test drives ``training.__main__.main``, the real
+pipeline: data -> self-distillation -> online features -> training -> validation tau -> export.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import training.distill
+import training.train
+from conftest import tiny_model
+from fsd_eagle.api import SpeculativeGenerator
+from fsd_eagle.head import EagleHead, HeadConfig
+from fsd_eagle.models import load_head, load_target
+from test_api import make_tokenizer
+from training.__main__ import main
+from training.data import Conversation, write_conversations
+
+torch.set_num_threads(1)
+
+VOCAB = 128
+N_CONVS = 30
+ANSWER_TOKENS = 24
+
+# About 4 batches per epoch, 2 distilled conversations of 8 tokens, validation on 2 held-out prompts.
+RECIPE = dict(distill=True, distill_count=2, distill_batch=2, distill_new_tokens=8, distill_prompt_tokens=64,
+              max_len=96, tokens_per_batch=384, epochs=6, lr=5e-3, warmup_steps=2, val_fraction=0.15,
+              val_prompts=2, val_new_tokens=16, checkpoint_every=1000, seed=0)
+EPOCHS = RECIPE["epochs"]
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+
+
+def word_tokenizer():
+    """tests/test_api.py's word-level tokenizer, with a generation prompt (the <s> opening a turn)."""
+    tok = make_tokenizer(VOCAB)
+    tok.chat_template = ("{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}<s> {% endif %}")
+    return tok
+
+
+def _byte_char(b: int) -> str:
+    """The character byte-level BPE uses for byte ``b`` (printable bytes stand for themselves, the others
+    are shifted past U+0100 in byte order)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
+def byte_tokenizer():
+    """Qwen2-style byte-level BPE without merges: <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2 (EOS), then
+    one token per ASCII byte 3..127 (id = byte value); a ChatML template."""
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({_byte_char(b): b for b in range(3, VOCAB)})
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", eos_token="<|im_end|>",
+                          pad_token="<|endoftext|>", extra_special_tokens=["<|im_start|>"], chat_template=template)
+
+
+TOKENIZERS = {"llama": word_tokenizer, "qwen2": byte_tokenizer}
+UNSEEN = {"llama": "w7 w8 w9 w10", "qwen2": "an unseen prompt"}
+USER_IDS = {"llama": range(3, VOCAB), "qwen2": [ord(c) for c in "abcdefghijklmnopqrstuvwxyz      "]}
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def _conversations(model, tokenizer, user_ids) -> list[Conversation]:
+    """N_CONVS random user prompts, each answered by the target's greedy continuation."""
+    rng = random.Random(123)
+    convs = []
+    for i in range(N_CONVS):
+        user = tokenizer.decode([rng.choice(user_ids) for _ in range(8)]).strip()
+        ids = torch.tensor([_ids(tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                                                 tokenize=True, add_generation_prompt=True))])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=ANSWER_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        assert answer
+        convs.append(Conversation(f"conv-{i}", i, "synthetic", [{"role": "user", "content": user},
+                                                              {"role": "assistant", "content": answer}]))
+    return convs
+
+
+class Setup:
+    """A saved tiny target (model + tokenizer), its conversation file and a recipe file."""
+
+    def __init__(self, root: Path, arch: str):
+        from transformers import AutoTokenizer
+
+        self.root = root
+        self.target = root / f"{arch}-target"
+        model = tiny_model(arch, vocab_size=VOCAB)
+        model.generation_config.eos_token_id = None  # random weights: never stop early
+        model.save_pretrained(self.target)
+        TOKENIZERS[arch]().save_pretrained(self.target)
+        tokenizer = AutoTokenizer.from_pretrained(self.target)  # as the pipeline will load it
+        assert len(tokenizer) == VOCAB
+        self.convs = _conversations(model, tokenizer, list(USER_IDS[arch]))
+        self.data = root / "train.jsonl"
+        assert write_conversations(self.convs, self.data) == N_CONVS
+        self.recipe = self.write_recipe("recipe.json")
+
+    def write_recipe(self, name: str, **changes) -> Path:
+        path = self.root / name
+        path.write_text(json.dumps({**RECIPE, **changes}))
+        return path
+
+    def argv(self, out: Path, *extra, recipe: Path | None = None, target: Path | None = None,
+             data: Path | None = None) -> list[str]:
+        return ["run", str(recipe or self.recipe), "--out", str(out), "--target", str(target or self.target),
+                "--data", str(data or self.data), "--device", "cpu", "--workers", "1", *map(str, extra)]
+
+
+_SETUPS: dict[str, Setup] = {}
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    def get(arch: str) -> Setup:
+        if arch not in _SETUPS:
+            _SETUPS[arch] = Setup(tmp_path_factory.mktemp(arch), arch)
+        return _SETUPS[arch]
+
+    yield get
+    _SETUPS.clear()
+
+
+@pytest.fixture(scope="module")
+def llama(setups) -> Setup:
+    return setups("llama")
+
+
+def _log(out: Path) -> list[dict]:
+    return json.loads((out / "head" / "training_log.json").read_text())
+
+
+def _progress(out: Path) -> dict:
+    return json.loads((out / "checkpoint" / "progress.json").read_text())
+
+
+# ------------------------------------------------------------------------------------- 1 + 3: smoke
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_pipeline_trains_exports_and_decodes_exactly(setups, tmp_path, arch):
+    """The whole pipeline on a tiny random target given only its local folder: the loss falls, checkpoint
+    and head files are written, and the exported head reloads and decodes exactly as plain decoding."""
+    s = setups(arch)
+    out = tmp_path / "run"
+    assert main(s.argv(out)) == 0
+
+    # files: the distilled cache, a complete checkpoint, the exported head; no temporary leftovers
+    for name in ("distilled.jsonl.gz", "checkpoint/head.safetensors", "checkpoint/optimizer.safetensors",
+                 "checkpoint/rng.safetensors", "checkpoint/progress.json", "head/config.json",
+                 "head/model.safetensors", "head/recipe.json", "head/training_log.json"):
+        assert (out / name).is_file(), name
+    assert not (out / "checkpoint.tmp").exists() and not (out / "head.tmp").exists()
+    with gzip.open(out / "distilled.jsonl.gz", "rt") as f:
+        distilled = [json.loads(line) for line in f]
+    assert len(distilled) == RECIPE["distill_count"]
+    assert all(d["source"] == "distill:synthetic" and d["messages"][-1]["role"] == "assistant" for d in distilled)
+
+    # the log: one entry per epoch, every step counted, metrics averaged over every step, loss falling
+    log = _log(out)
+    assert [e["epoch"] for e in log] == list(range(1, EPOCHS + 1))
+    per_epoch = log[0]["step"]
+    assert per_epoch >= 3 and [e["step"] for e in log] == [per_epoch * (k + 1) for k in range(EPOCHS)]
+    assert all(e["loss"] > 0 and e["feat"] > 0 and e["ce"] > 0 and "val_tau" in e for e in log)
+    assert log[-1]["loss"] < 0.9 * log[0]["loss"], [e["loss"] for e in log]
+    assert log[-1]["feat"] < 0.75 * log[0]["feat"], [e["feat"] for e in log]
+    assert log[-1]["acc"] > log[0]["acc"]
+    progress = _progress(out)
+    assert (progress["step"], progress["epoch"], progress["log"]) == (per_epoch * EPOCHS, EPOCHS, log)
+    saved_recipe = json.loads((out / "head" / "recipe.json").read_text())
+    assert saved_recipe["target"] == str(s.target) and saved_recipe["epochs"] == EPOCHS
+
+    # the exported head is the checkpoint's final head (bf16) and reloads through the public loader
+    ck, exported = load_file(out / "checkpoint" / "head.safetensors"), load_file(out / "head" / "model.safetensors")
+    assert ck.keys() == exported.keys()
+    assert all(exported[k].dtype == torch.bfloat16 and torch.equal(ck[k].bfloat16(), exported[k]) for k in ck)
+    model, tokenizer = load_target(s.target, torch.device("cpu"), torch.float32)
+    head = load_head(out / "head", model.config, torch.device("cpu"), torch.float32)
+    gen = SpeculativeGenerator(model, tokenizer, head)
+    forwards = tokens = 0
+    for prompt in [c.messages[:1] for c in s.convs[:4]] + [UNSEEN[arch]]:
+        ref = gen.generate(prompt, 32, autoregressive=True)
+        spec = gen.generate(prompt, 32)
+        assert spec.token_ids == ref.token_ids and spec.text == ref.text
+        forwards, tokens = forwards + spec.stats.target_forwards, tokens + spec.stats.new_tokens
+    # the head learned something: an untrained head gets about 1.1 tokens per target forward here
+    assert tokens / forwards > 1.3
+
+
+# ------------------------------------------------------------------------------------------ 2: resume
+
+
+def test_resume_continues_from_checkpoint(llama, tmp_path, monkeypatch):
+    """epochs=1, then --resume --epochs 2: training continues at the saved step with the saved optimizer
+    state, and the distilled cache is reused (no second distillation)."""
+    out = tmp_path / "run"
+    assert main(llama.argv(out, "--epochs", 1)) == 0
+    first = _log(out)
+    per_epoch = first[0]["step"]
+    assert len(first) == 1 and _progress(out)["step"] == per_epoch
+    saved_opt = load_file(out / "checkpoint" / "optimizer.safetensors")
+    cache = (out / "distilled.jsonl.gz").read_bytes()
+
+    def no_distill(*args, **kwargs):
+        raise AssertionError("the distilled cache should have been reused")
+
+    restored = {}
+    real_load = training.train.load_checkpoint
+
+    def spy_load(out_dir, head, opt):
+        result = real_load(out_dir, head, opt)
+        restored.update(result=result, state={i: {k: v.clone() for k, v in st.items()}
+                                              for i, st in opt.state_dict()["state"].items()})
+        return result
+
+    monkeypatch.setattr(training.distill, "distill", no_distill)
+    monkeypatch.setattr(training.train, "load_checkpoint", spy_load)
+    assert main(llama.argv(out, "--epochs", 2, "--resume")) == 0
+
+    # the optimizer state after loading equals the saved one, for every parameter (AdamW moments and step)
+    assert restored["result"][:2] == (per_epoch, 1)
+    state = restored["state"]
+    assert len(state) == len({key.split(".")[0] for key in saved_opt}) > 0
+    for i, st in state.items():
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
+        for k, v in st.items():
+            assert torch.equal(v.float().reshape(saved_opt[f"{i}.{k}"].shape), saved_opt[f"{i}.{k}"]), (i, k)
+    assert float(state[0]["step"]) == per_epoch
+
+    log = _log(out)
+    assert log[0] == first[0]  # the first epoch's entry comes from the checkpoint, not from a rerun
+    assert [e["epoch"] for e in log] == [1, 2] and log[1]["step"] == 2 * per_epoch
+    assert _progress(out)["step"] == 2 * per_epoch
+    assert (out / "distilled.jsonl.gz").read_bytes() == cache
+
+
+class Killed(Exception):
+    pass
+
+
+def test_killed_run_resumes_to_the_same_head(llama, tmp_path, monkeypatch):
+    """A run killed mid-epoch right after a checkpoint, then resumed, ends with exactly the head of an
+    uninterrupted run (same batches, same optimizer state, same noise stream): the resume is lossless."""
+    recipe = llama.write_recipe("recipe_ck.json", epochs=2, checkpoint_every=2)
+    ref_out, out = tmp_path / "reference", tmp_path / "killed"
+    assert main(llama.argv(ref_out, recipe=recipe)) == 0
+
+    real_save = training.train.save_checkpoint
+
+    def save_then_die(out_dir, head, opt, step, epoch, log):
+        real_save(out_dir, head, opt, step, epoch, log)
+        if step == 2:
+            raise Killed()
+
+    monkeypatch.setattr(training.train, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        main(llama.argv(out, recipe=recipe))
+    monkeypatch.setattr(training.train, "save_checkpoint", real_save)
+    assert not (out / "head").exists()  # nothing that looks like a finished run
+    assert _progress(out)["step"] == 2 and _progress(out)["epoch"] == 0 and _log(ref_out)[0]["step"] > 2  # mid-epoch
+
+    monkeypatch.setattr(training.distill, "distill", lambda *a, **k: pytest.fail("distilled again"))
+    assert main(llama.argv(out, "--resume", recipe=recipe)) == 0
+    assert _progress(out)["step"] == _progress(ref_out)["step"]
+    ref_head, head = load_file(ref_out / "head" / "model.safetensors"), load_file(out / "head" / "model.safetensors")
+    assert all(torch.equal(ref_head[k], head[k]) for k in ref_head)
+    ref_opt = load_file(ref_out / "checkpoint" / "optimizer.safetensors")
+    opt = load_file(out / "checkpoint" / "optimizer.safetensors")
+    assert all(torch.equal(ref_opt[k], opt[k]) for k in ref_opt)
+
+
+def test_checkpoint_round_trip_restores_optimizer(tmp_path):
+    """save_checkpoint / load_checkpoint directly: a fresh head and AdamW get back the exact weights and
+    moments, and the next step from either is identical."""
+    torch.manual_seed(0)
+    cfg = HeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=8)
+
+    def make():
+        head = EagleHead(cfg)
+        return head, torch.optim.AdamW(head.parameters(), lr=1e-2, betas=(0.9, 0.95))
+
+    def step(head, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        x, f = torch.randn(1, 5, 16, generator=g), torch.randn(1, 5, 16, generator=g)
+        opt.zero_grad()
+        head(x, f, torch.arange(5)[None]).square().mean().backward()
+        opt.step()
+
+    head, opt = make()
+    for seed in range(3):
+        step(head, opt, seed)
+    training.train.save_checkpoint(tmp_path, head, opt, 3, 1, [{"epoch": 1}])
+    head2, opt2 = make()
+    assert training.train.load_checkpoint(tmp_path, head2, opt2) == (3, 1, [{"epoch": 1}])
+    a, b = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for i in a:
+        for k in a[i]:
+            assert torch.equal(a[i][k], b[i][k]), (i, k)
+    step(head, opt, 9)
+    step(head2, opt2, 9)
+    assert all(torch.equal(p, q) for p, q in zip(head.parameters(), head2.parameters()))
+
+
+# ------------------------------------------------------------------------------------- 4: bad input
+
+
+def _write(path: Path, content: str | bytes) -> Path:
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+_RECORD = b'{"id": "c%d", "index": %d, "source": "s", "messages": []}\n'
+BAD_DATA = {
+    "missing": (None, "not found"),
+    "empty": ("", "empty"),
+    "blank lines": ("\n  \n", "empty"),
+    "not json": ('{"id": "a", "index": 0, "source": "s", "messages": []}\nnot json\n', ":2: invalid JSON"),
+    "not a record": ('{"messages": [{"role": "user", "content": "w5"}]}\n', "not a conversation record"),
+    "bad role": ('{"id": "a", "index": 0, "source": "s", "messages": [{"role": "bot", "content": "w5"}]}\n',
+                 "not a conversation record"),
+    "not an object": ("[1, 2]\n", "expected a JSON object"),
+    "binary": (b"\xff\xfe\x00garbage\x80\n", "cannot decode"),
+    "truncated gzip": (gzip.compress(b"".join(_RECORD % (i, i) for i in range(2000)))[:4000], "cannot decode"),
+}
+
+
+def _one_line_error(capsys) -> str:
+    """The one ``error: ...`` line main() printed last on stderr (progress bars may precede it)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines and "Traceback" not in err, err
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert errors == [lines[-1]], err
+    return lines[-1]
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_dataset_file(llama, tmp_path, capsys, case):
+    content, expected = BAD_DATA[case]
+    data = tmp_path / "data.jsonl"
+    if content is not None:
+        _write(data, content)
+    out = tmp_path / "run"
+    assert main(llama.argv(out, data=data)) == 2
+    err = _one_line_error(capsys)
+    assert expected in err and str(data) in err
+    assert not out.exists()  # nothing created, let alone a head/ folder
+
+
+def _no_model_dirs(root: Path, target: Path) -> dict:
+    empty = root / "empty"
+    empty.mkdir()
+    bad_config = root / "bad_config"
+    bad_config.mkdir()
+    _write(bad_config / "config.json", "{not json")
+    no_weights = root / "no_weights"
+    no_weights.mkdir()
+    _write(no_weights / "config.json", (target / "config.json").read_text())
+    return {"missing": root / "nowhere", "empty folder": empty, "a file": _write(root / "file.bin", "x"),
+            "bad config": bad_config, "config without weights": no_weights}
+
+
+@pytest.mark.parametrize("case", ["missing", "empty folder", "a file", "bad config", "config without weights"])
+def test_target_without_a_model(llama, tmp_path, capsys, case):
+    target = _no_model_dirs(tmp_path, llama.target)[case]
+    out = tmp_path / "run"
+    assert main(llama.argv(out, target=target)) == 2
+    err = _one_line_error(capsys)
+    assert str(target) in err and ("no model" in err or "cannot load" in err), err
+    assert not out.exists()
+
+
+def _previous_run(out: Path) -> dict:
+    (out / "checkpoint").mkdir(parents=True)
+    _write(out / "checkpoint" / "progress.json", json.dumps({"step": 7, "epoch": 1, "log": []}))
+    _write(out / "distilled.jsonl.gz", gzip.compress(b""))
+    return {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_out_folder_with_previous_run_needs_resume_or_overwrite(llama, tmp_path, capsys):
+    out = tmp_path / "run"
+    before = _previous_run(out)
+    assert main(llama.argv(out)) == 2
+    err = _one_line_error(capsys)
+    assert str(out) in err and "--resume" in err and "--overwrite" in err
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before and not (out / "head").exists()  # the previous run is untouched
+
+    # --overwrite with bad input fails before deleting anything
+    assert main(llama.argv(out, "--overwrite", data=tmp_path / "missing.jsonl")) == 2
+    _one_line_error(capsys)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_out_is_a_file(llama, tmp_path, capsys):
+    out = _write(tmp_path / "out", "x")
+    assert main(llama.argv(out)) == 2
+    assert "is a file" in _one_line_error(capsys)
+    assert out.read_text() == "x"
+
+
+@pytest.mark.parametrize("content, expected", [
+    (json.dumps({**RECIPE, "epochz": 3}), "unknown keys: epochz"),
+    ("{oops", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    (None, "not found"),
+])
+def test_bad_recipe(llama, tmp_path, capsys, content, expected):
+    recipe = tmp_path / "recipe.json"
+    if content is not None:
+        _write(recipe, content)
+    out = tmp_path / "run"
+    assert main(llama.argv(out, recipe=recipe)) == 2
+    err = _one_line_error(capsys)
+    assert expected in err and str(recipe) in err
+    assert not out.exists()
