@@ -26,54 +26,60 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_method(gen, prompts, max_new_tokens: int, repeats: int, **kwargs) -> dict:
-    """tokens/s over all prompts (synchronized wall clock, after one warm-up prompt), repeated."""
-    dev = gen.target.device
-    longest = max(prompts, key=len)
-    gen.generate(longest, max_new_tokens, **kwargs)  # warm-up: the largest cache, graph capture
-    runs, outputs, tau_num, tau_den = [], [], 0, 0
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+def timed_runs(run_one, prompts, repeats: int, device: torch.device) -> tuple[list[float], list]:
+    """tokens/s of each repeat over all prompts (synchronized wall clock); ``run_one(p) -> (tokens, result)``.
+    Also returns the first repeat's results and resets the peak-memory counter first."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs, first = [], []
     for rep in range(repeats):
         tokens, seconds = 0, 0.0
         for p in prompts:
-            _sync(dev)
+            _sync(device)
             t = time.perf_counter()
-            r = gen.generate(p, max_new_tokens, **kwargs)
-            _sync(dev)
+            n, result = run_one(p)
+            _sync(device)
             seconds += time.perf_counter() - t
-            tokens += r.stats.new_tokens
+            tokens += n
             if rep == 0:
-                outputs.append(r.token_ids)
-                tau_num, tau_den = tau_num + r.stats.new_tokens, tau_den + r.stats.target_forwards
+                first.append(result)
         runs.append(tokens / seconds)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    return {"tokens_per_s": statistics.mean(runs), "tokens_per_s_runs": [round(x, 2) for x in runs],
-            "tau": tau_num / tau_den, "peak_mem_gb": peak, "outputs": outputs}
+    return runs, first
+
+
+def _summary(runs: list[float], device: torch.device) -> dict:
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"tokens_per_s": statistics.mean(runs), "tokens_per_s_runs": [round(x, 2) for x in runs], "peak_mem_gb": peak}
+
+
+def bench_method(gen, prompts, max_new_tokens: int, repeats: int, **kwargs) -> dict:
+    """Our decoder: warm-up on the longest prompt (largest cache, graph capture), then timed runs."""
+    dev = gen.target.device
+    gen.generate(max(prompts, key=len), max_new_tokens, **kwargs)
+
+    def run_one(p):
+        r = gen.generate(p, max_new_tokens, **kwargs)
+        return r.stats.new_tokens, r
+
+    runs, results = timed_runs(run_one, prompts, repeats, dev)
+    tau = sum(r.stats.new_tokens for r in results) / sum(r.stats.target_forwards for r in results)
+    return {**_summary(runs, dev), "tau": tau, "outputs": [r.token_ids for r in results]}
 
 
 def bench_hf(model, tokenizer, prompts, max_new_tokens: int, repeats: int) -> dict:
+    """transformers ``generate``, greedy, dynamic cache, same chat-formatted prompts."""
     dev = next(model.parameters()).device
-    enc = [torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                       tokenize=True)["input_ids"]], device=dev) for p in prompts]
+    enc = {p: torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                          tokenize=True)["input_ids"]], device=dev) for p in prompts}
     kw = dict(do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    model.generate(enc[0], max_new_tokens=16, **kw)
-    runs = []
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    for _ in range(repeats):
-        tokens, seconds = 0, 0.0
-        for ids in enc:
-            _sync(dev)
-            t = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=max_new_tokens, **kw)
-            _sync(dev)
-            seconds += time.perf_counter() - t
-            tokens += out.shape[1] - ids.shape[1]
-        runs.append(tokens / seconds)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    return {"tokens_per_s": statistics.mean(runs), "tokens_per_s_runs": [round(x, 2) for x in runs], "tau": 1.0,
-            "peak_mem_gb": peak}
+    model.generate(enc[prompts[0]], max_new_tokens=16, **kw)
+
+    def run_one(p):
+        out = model.generate(enc[p], max_new_tokens=max_new_tokens, **kw)
+        return out.shape[1] - enc[p].shape[1], None
+
+    runs, _ = timed_runs(run_one, prompts, repeats, dev)
+    return {**_summary(runs, dev), "tau": 1.0}
 
 
 def stage_breakdown(gen, prompt: str, rounds: int = 20) -> dict:
@@ -183,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
     fuzzy = FuzzyConfig(threshold=parse_threshold(a.threshold), divergence=a.divergence)
     rows = []
-    hf = bench_hf(gen.target.model, gen.tokenizer, prompts, a.max_new_tokens, a.repeats)
+    partial = Path(a.out).with_suffix(".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    hf = bench_hf(gen.target.model, gen.tokenizer, prompts, a.max_new_tokens, max(1, a.repeats - 1))
     rows.append({"method": "hf_generate", **hf})
     methods = [("ar_graph", dict(autoregressive=True), True), ("ar_eager", dict(autoregressive=True), False),
                ("eagle2_graph", {}, True), ("eagle2_eager", {}, False),
@@ -191,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, kwargs, graphs in methods:
         gen.cuda_graphs = graphs
         rows.append({"method": name, **bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)})
+        partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], default=str))
+        print(name, round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
     gen.cuda_graphs = True
     ar_out = rows[1]["outputs"]
     base_hf, base_ar = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
