@@ -1,0 +1,161 @@
+"""``python -m eval <command>`` (also ``fsd-eagle bench <command>``) from a source checkout.
+
+    sweep  accuracy, fidelity and speed of AR, exact EAGLE-2 and FSD over thresholds x divergences
+           (resumable; see eval/sweep.py)
+    tau    acceptance length per category on MT-bench / Spec-Bench (eval/tau.py)
+    table  re-render results.json / results.md / accuracy_vs_speed.png of a sweep folder, optionally merging
+           a single-process speed run (eval/report.py)
+    speed  single-process GPU speed benchmark (eval/speed.py; its own options, see `speed --help`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from fsd_eagle.errors import FSDError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the device, each loading the model once (1 = this process)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .sweep import DEFAULT_DIVERGENCES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_THRESHOLDS, METHODS, TASKS
+
+    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("sweep", help="accuracy / fidelity / speed over thresholds x divergences (resumable)")
+    _model_args(p)
+    p.add_argument("--out", required=True, help="results folder (rerun with the same folder to resume)")
+    p.add_argument("--limit", nargs="+", metavar="[TASK=]N", dest="limits",
+                   help="questions per task: N for every task, or per task (gsm8k=200 mmlu=500); default all")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--thresholds", nargs="+", metavar="T|DIV:T1,T2",
+                   help="FSD thresholds (numbers >= 0 or inf) for every divergence, and/or per divergence "
+                        "(kl:0.5,1,2 js:0.1,0.2); exact EAGLE-2 is method eagle2; default "
+                        + " ".join(f"{d}:{','.join(format(t, 'g') for t in ts)}"
+                                   for d, ts in DEFAULT_THRESHOLDS.items()))
+    p.add_argument("--divergences", nargs="+", default=list(DEFAULT_DIVERGENCES))
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    p.add_argument("--max-new-tokens", nargs="+", metavar="[TASK=]N",
+                   help="token limit, for every task (N) or per task (gsm8k=256); default "
+                        + ", ".join(f"{t}={n}" for t, n in DEFAULT_MAX_NEW_TOKENS.items()))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fuzzy-mode", default="hybrid", choices=("hybrid", "pure"))
+    p.add_argument("--total-tokens", type=int, help="tree nodes per round (default: the target's preset)")
+    p.add_argument("--depth", type=int, help="tree depth (default: the target's preset)")
+    p.add_argument("--tree-top-k", type=int, help="children per expanded node (default: the target's preset)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per worker (default: CPU cores / workers on "
+                                               "CPU, 1 on GPU; unchanged for one worker); 1 helps on a busy CPU")
+    p.add_argument("--humaneval-timeout", type=float, default=5.0, help="seconds per HumanEval test run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("tau", help="acceptance length tau per category (MT-bench or Spec-Bench)")
+    _model_args(p)
+    p.add_argument("--questions", choices=("mt_bench", "spec_bench"), default="mt_bench")
+    p.add_argument("--limit", type=int, help="questions (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", help="also write the JSON to OUT/tau.json")
+
+    sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
+
+    p = sub.add_parser("table", help="render results.json, results.md and the plot of a sweep folder")
+    p.add_argument("--out", required=True, help="the sweep's results folder")
+    p.add_argument("--speed", help="JSON of a single-process speed run to merge (default: OUT/speed.json if any)")
+    p.add_argument("--no-plot", action="store_true")
+    return parser
+
+
+def _prog() -> str:
+    return "fsd-eagle bench" if sys.argv and sys.argv[0].startswith("fsd-eagle") else "python -m eval"
+
+
+def _command_line(argv: list[str]) -> str:
+    return " ".join([_prog()] + [shlex.quote(a) for a in argv])
+
+
+def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
+    from .sweep import parse_limits, parse_max_new_tokens, parse_thresholds, run_sweep
+
+    tree = {k: v for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k))
+            if v is not None}
+    run_sweep(a.out, a.tasks, a.methods, a.divergences, parse_thresholds(a.thresholds), target=a.target,
+              head=a.head, device=a.device, dtype=a.dtype, limit=parse_limits(a.limits), workers=a.workers,
+              max_new_tokens=parse_max_new_tokens(a.max_new_tokens), seed=a.seed, fuzzy_mode=a.fuzzy_mode,
+              tree=tree or None, humaneval_timeout_s=a.humaneval_timeout, command=_command_line(argv),
+              progress=not a.no_progress, threads=a.threads)
+    print((Path(a.out) / "results.md").read_text())
+    return 0
+
+
+def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
+    from .tasks import load_mt_bench, load_spec_bench
+    from .tau import measure_tau
+
+    questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
+    result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers)
+    text = json.dumps(result)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "tau.json").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def run_table_command(a: argparse.Namespace, argv: list[str]) -> int:
+    from .report import build_results, write_outputs
+
+    results = build_results(a.out, a.speed)
+    for path in write_outputs(a.out, results, plot=not a.no_plot):
+        print(f"wrote {path}", file=sys.stderr)
+    print((Path(a.out) / "results.md").read_text())
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "speed":  # eval/speed.py parses its own options
+        from .speed import main as speed_main
+
+        return speed_main(argv[1:])
+    args = _parser().parse_args(argv)
+    if getattr(args, "workers", 1) < 1:
+        print("error: --workers must be at least 1", file=sys.stderr)
+        return 2
+    previous = None
+    if args.command == "sweep":  # `timeout` / a scheduler's SIGTERM: stop the workers, keep what is done
+        try:
+            previous = signal.signal(signal.SIGTERM, _interrupt)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        return {"sweep": run_sweep_command, "tau": run_tau_command, "table": run_table_command}[args.command](args, argv)
+    except FSDError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun the same command to continue", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

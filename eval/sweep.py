@@ -1,0 +1,626 @@
+"""The threshold sweep: accuracy, fidelity and speed of AR, exact EAGLE-2 and FSD over thresholds x divergences.
+
+    python -m eval sweep --tasks gsm8k mmlu humaneval --divergences kl js --thresholds kl:0.5,1,2,4 js:0.1,0.2 \
+        --limit gsm8k=200 mmlu=500 --workers 8 --out eval/results/sweep
+
+Every (config, task, question) is one job: greedy decoding (temperature 0) of the question's prompt (see
+eval/tasks.py for the prompt formats), scored right away (GSM8K final number, MMLU letter, HumanEval pass@1 in
+a sandboxed subprocess), with the target's NLL of the generated tokens (eval/fidelity.py). A config is
+``ar`` (plain decoding), ``eagle2`` (exact tree decoding, T = 0) or ``fsd`` at one (divergence, threshold).
+
+Results are written per question, as they complete, to ``OUT/raw/<config>/<task>.jsonl``; a restarted sweep
+with the same ``--out`` skips the questions already there (a killed run continues where it stopped). The
+settings that change the outputs (target, head, dtype, tree, token limits, fuzzy mode, seed) are kept in
+``OUT/settings.json`` and a run with other settings refuses to mix into the same folder.
+
+``workers`` > 1 starts that many spawn processes, each loading the model once and taking jobs from a shared
+queue (question-major order: the configs of one question run side by side, so a partial run compares every
+config on the same questions). Speed figures from such a run are measured under contention of all workers on
+one device: they are stored, but only a single-process speed run (eval/speed.py) gives clean numbers;
+``python -m eval table --speed FILE`` merges those in.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsd_eagle.errors import ConfigError, FSDError, InputError
+
+from . import tasks as _tasks
+
+TASKS = ("gsm8k", "mmlu", "humaneval")
+METHODS = ("ar", "eagle2", "fsd")
+DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "mmlu": 32, "humaneval": 384}
+# FSD thresholds by divergence (its scale differs: KL is unbounded, JS at most ln 2); "*" for the others.
+# From a first look (one GSM8K question, the shipped SmolLM2 head, CPU): KL 0.5 .. 8 made 0.01 .. 0.37 of the
+# tokens fuzzy-accepted, JS 0.1 .. 0.4 0.01 .. 0.15 (JS 0.05: none). Tune them per target and head.
+DEFAULT_THRESHOLDS = {"kl": (0.5, 1.0, 2.0, 4.0, 8.0), "js": (0.1, 0.2, 0.3, 0.4, 0.5),
+                      "*": (0.05, 0.1, 0.2, 0.4, 0.8)}
+DEFAULT_DIVERGENCES = ("kl", "js")
+HUMANEVAL_TIMEOUT_S = 5.0
+SETTINGS_FILE = "settings.json"
+RUNS_FILE = "runs.jsonl"
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def threshold_to_json(t: float | None):
+    """JSON-safe threshold: None stays None, inf becomes "inf", numbers stay numbers."""
+    if t is None:
+        return None
+    return "inf" if math.isinf(t) else float(t)
+
+
+def threshold_from_json(v) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if v.strip().lower() in ("inf", "infinity", "+inf"):
+            return math.inf
+        return float(v)
+    return float(v)
+
+
+def format_threshold(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return "inf" if math.isinf(t) else f"{t:g}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One decoding setting of the sweep."""
+
+    method: str  # "ar", "eagle2" or "fsd"
+    divergence: str | None = None
+    threshold: float | None = None
+
+    @property
+    def key(self) -> str:
+        """Folder name and row id: ``ar``, ``eagle2``, ``fsd-kl-0.5``, ``fsd-js-inf``."""
+        if self.method == "fsd":
+            return f"fsd-{self.divergence}-{format_threshold(self.threshold)}"
+        return self.method
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "divergence": self.divergence,
+                "threshold": threshold_to_json(self.threshold)}
+
+
+def thresholds_for(divergence: str, thresholds: Sequence[float] | dict[str, Sequence[float]]) -> list[float]:
+    """The thresholds of one divergence: a plain list applies to every divergence; a dict maps divergence
+    names (and "*" for the rest) to lists."""
+    if isinstance(thresholds, dict):
+        return list(thresholds.get(divergence, thresholds.get("*", ())))
+    return list(thresholds)
+
+
+def build_configs(methods: Sequence[str], divergences: Sequence[str] = DEFAULT_DIVERGENCES,
+                  thresholds: Sequence[float] | dict[str, Sequence[float]] = DEFAULT_THRESHOLDS) -> list[Config]:
+    """ar, eagle2 (T = 0), then fsd for each divergence x its thresholds (see :func:`thresholds_for`). An fsd
+    threshold of 0 is exact EAGLE-2: it is dropped when eagle2 is also asked for."""
+    from fsd_eagle.divergence import DIVERGENCES
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ConfigError(f"unknown method {bad[0]!r}; choose from {', '.join(METHODS)}")
+    configs: list[Config] = []
+    if "ar" in methods:
+        configs.append(Config("ar"))
+    if "eagle2" in methods:
+        configs.append(Config("eagle2", None, 0.0))
+    if "fsd" in methods:
+        if not divergences:
+            raise ConfigError("method fsd needs at least one divergence")
+        for div in divergences:
+            if div not in DIVERGENCES:
+                raise ConfigError(f"unknown divergence {div!r}; choose from {', '.join(DIVERGENCES)}")
+            values = thresholds_for(div, thresholds)
+            if not values:
+                raise ConfigError(f"no FSD threshold for divergence {div!r}")
+            for t in values:
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+                    raise ConfigError(f"threshold must be a number >= 0 or inf, got {t!r}")
+                if t == 0 and "eagle2" in methods:
+                    continue
+                c = Config("fsd", div, float(t))
+                if c not in configs:
+                    configs.append(c)
+    if not configs:
+        raise ConfigError("no configuration to run")
+    return configs
+
+
+# -------------------------------------------------------------------------------------------- questions
+
+
+@dataclass
+class Question:
+    """One benchmark question: the user message, and what the scorer needs (``payload``)."""
+
+    task: str
+    qid: str
+    prompt: str
+    payload: dict = field(default_factory=dict)
+
+
+MMLU_ORDER_SEED = 1234  # fixed, not --seed: the question set must not depend on the run's seed
+
+
+def mmlu_order(total: int) -> list[int]:
+    """A fixed pseudo-random order of MMLU's indices (the file is grouped by subject): its first k entries
+    sample every subject, and a larger --limit keeps the questions of a smaller one (resumable)."""
+    import random
+
+    return random.Random(MMLU_ORDER_SEED).sample(range(total), total)
+
+
+def load_questions(task: str, limit: int | None = None, data_dir: Path | str = _tasks.DATA_DIR) -> list[Question]:
+    """The first ``limit`` GSM8K test problems or HumanEval problems; for MMLU, whose file is grouped by
+    subject, the first ``limit`` of a fixed shuffled order (see :func:`mmlu_order`), kept in file order."""
+    if task == "gsm8k":
+        return [Question("gsm8k", str(p.index), _tasks.gsm8k_prompt(p), {"reference": p.reference})
+                for p in _tasks.load_gsm8k("test", limit=limit, data_dir=data_dir)]
+    if task == "mmlu":
+        everything = _tasks.load_mmlu(data_dir=data_dir)
+        chosen = sorted(mmlu_order(len(everything))[:limit] if limit is not None else range(len(everything)))
+        return [Question("mmlu", str(q.index), _tasks.mmlu_prompt(q), {"reference": q.answer, "topic": q.topic})
+                for q in (everything[i] for i in chosen)]
+    if task == "humaneval":
+        return [Question("humaneval", p.task_id, _tasks.humaneval_prompt(p),
+                         {"prompt": p.prompt, "test": p.test, "entry_point": p.entry_point})
+                for p in _tasks.load_humaneval(limit=limit, data_dir=data_dir)]
+    raise ConfigError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+
+
+def score(task: str, payload: dict, text: str, humaneval_timeout_s: float = HUMANEVAL_TIMEOUT_S) -> dict:
+    """{"pred", "ref", "correct"} (+ "status" for HumanEval, whose program runs in a subprocess)."""
+    from .metrics import extract_gsm8k_answer, extract_mmlu_letter, humaneval_completion_code
+
+    if task == "gsm8k":
+        pred = extract_gsm8k_answer(text)
+        return {"pred": pred, "ref": payload["reference"], "correct": pred == payload["reference"]}
+    if task == "mmlu":
+        pred = extract_mmlu_letter(text)
+        return {"pred": pred, "ref": payload["reference"], "correct": pred == payload["reference"]}
+    if task == "humaneval":
+        from .humaneval_exec import check_program
+
+        program = humaneval_completion_code(payload["prompt"], text, payload["entry_point"])
+        passed, status = check_program(program, payload["test"], payload["entry_point"],
+                                       timeout_s=humaneval_timeout_s)
+        return {"pred": None, "ref": None, "correct": bool(passed), "status": status}
+    raise ConfigError(f"unknown task {task!r}")
+
+
+# ------------------------------------------------------------------------------------------ result store
+
+
+class ResultStore:
+    """Per-question JSON lines under ``OUT/raw/<config key>/<task>.jsonl``, appended as jobs complete."""
+
+    def __init__(self, out: Path | str) -> None:
+        self.out = Path(out)
+        self.raw = self.out / "raw"
+        self._files: dict[Path, object] = {}
+
+    def path(self, key: str, task: str) -> Path:
+        return self.raw / key / f"{task}.jsonl"
+
+    def read(self, path: Path) -> list[dict]:
+        """Records of one file. A line cut off by a kill (no final newline, or not JSON) is dropped, and the
+        file is rewritten without it so that later appends start on a fresh line."""
+        if not path.is_file():
+            return []
+        raw = path.read_text(encoding="utf-8")
+        records, bad = [], False
+        lines = raw.split("\n")
+        if lines and lines[-1] != "":  # the last line was not finished
+            bad = True
+        for line in lines[:-1]:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                bad = True
+                continue
+            if isinstance(obj, dict) and "qid" in obj:
+                records.append(obj)
+            else:
+                bad = True
+        if bad:
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+            os.replace(tmp, path)
+        return records
+
+    def done(self, key: str, task: str) -> set[str]:
+        return {str(r["qid"]) for r in self.read(self.path(key, task))}
+
+    def records(self) -> list[dict]:
+        """Every stored record, all configs and tasks (one per (config, task, question): the first wins)."""
+        out, seen = [], set()
+        if not self.raw.is_dir():
+            return out
+        for path in sorted(self.raw.glob("*/*.jsonl")):
+            for r in self.read(path):
+                ident = (path.parent.name, path.stem, str(r["qid"]))
+                if ident not in seen:
+                    seen.add(ident)
+                    out.append(r)
+        return out
+
+    def append(self, record: dict) -> None:
+        path = self.path(record["config"], record["task"])
+        f = self._files.get(path)
+        if f is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = self._files[path] = open(path, "a", encoding="utf-8")
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def check_settings(self, settings: dict) -> None:
+        """Write OUT/settings.json, or refuse when the folder holds results made with other settings."""
+        path = self.out / SETTINGS_FILE
+        if path.is_file():
+            old = json.loads(path.read_text())
+            diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            if diff:
+                shown = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
+                raise ConfigError(f"{self.out} holds results made with other settings ({shown}); "
+                                  f"use another --out or the same settings")
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ worker
+
+_STATE: dict = {}
+
+
+def _init_worker(opts: dict) -> None:
+    """Load the model once per process (in a worker, or in-process when workers == 1) and warm it up."""
+    import torch
+
+    from fsd_eagle.api import SpeculativeGenerator
+    from fsd_eagle.cli import _quiet_transformers
+    from fsd_eagle.config import TreeConfig
+    from fsd_eagle.trees_presets import preset_tree
+
+    threads = opts.get("threads")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(opts["seed"])
+    _quiet_transformers()
+    gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], device=opts["device"],
+                                    dtype=opts["dtype"])
+    base = preset_tree(gen.target)
+    tree = opts.get("tree") or {}
+
+    def pick(name: str) -> int:  # an explicit --total-tokens / --depth / --tree-top-k beats the preset
+        value = tree.get(name)
+        return getattr(base, name) if value is None else value
+
+    gen.tree = TreeConfig(total_tokens=pick("total_tokens"), depth=pick("depth"), top_k=pick("top_k"))
+    gen._check_tree(gen.tree)
+    needs_drafter = any(c["method"] != "ar" for c in opts["configs"])
+    if needs_drafter and gen.drafter is None:
+        raise ConfigError("methods eagle2 and fsd need a draft head: pass --head (the default model has one)")
+    if opts.get("warmup", True):  # first calls pay for kernel selection, allocation and (on GPUs) CUDA-graph
+        gen.generate("Hello", 4, autoregressive=True)  # capture: keep them out of the timed jobs
+        if gen.drafter is not None:
+            gen.generate("Hello", 4)
+            if gen.target.device.type == "cuda":
+                for cfg in opts["configs"]:
+                    if cfg["method"] == "fsd":
+                        gen.generate("Hello", 4, fuzzy=_fuzzy(cfg, opts))
+    _STATE.clear()
+    _STATE.update(gen=gen, opts=opts)
+
+
+def _fuzzy(cfg: dict, opts: dict):
+    from fsd_eagle.config import FuzzyConfig
+
+    return FuzzyConfig(threshold=threshold_from_json(cfg["threshold"]), divergence=cfg["divergence"],
+                       mode=opts["fuzzy_mode"])
+
+
+def _run_job(job: dict) -> dict:
+    """Generate, score and measure one (config, question); returns its record."""
+    from .fidelity import sequence_nll
+
+    gen, opts = _STATE["gen"], _STATE["opts"]
+    cfg = job["config"]
+    record = {"task": job["task"], "qid": job["qid"], "config": job["key"], **cfg}
+    fuzzy = _fuzzy(cfg, opts) if cfg["method"] == "fsd" else None
+    try:
+        prompt_ids = gen.encode(job["prompt"])
+        result = gen.generate(prompt_ids, job["max_new_tokens"], temperature=0.0, fuzzy=fuzzy, seed=opts["seed"],
+                              autoregressive=cfg["method"] == "ar")
+    except FSDError as e:  # e.g. a prompt longer than the model's context: scored as wrong
+        record.update(error=str(e), correct=False, token_ids=[], text="", new_tokens=0, target_forwards=0,
+                      fuzzy_accepted=0, elapsed_s=0.0, nll_sum=0.0, nll_tokens=0)
+        return record
+    s = result.stats
+    nll_sum, nll_tokens = sequence_nll(gen.target.model, prompt_ids, result.token_ids)
+    record.update(prompt_tokens=len(prompt_ids), token_ids=result.token_ids, text=result.text,
+                  stop_reason=result.stop_reason, new_tokens=s.new_tokens, target_forwards=s.target_forwards,
+                  fuzzy_accepted=s.fuzzy_accepted, divergence_sum=s.divergence_sum,
+                  divergence_count=s.divergence_count, elapsed_s=s.elapsed_s, nll_sum=nll_sum,
+                  nll_tokens=nll_tokens)
+    record.update(score(job["task"], job["payload"], result.text, opts.get("humaneval_timeout_s",
+                                                                         HUMANEVAL_TIMEOUT_S)))
+    return record
+
+
+def _worker_info() -> dict:
+    gen = _STATE["gen"]
+    t = gen.tree
+    return {"tree": {"total_tokens": t.total_tokens, "depth": t.depth, "top_k": t.top_k},
+            "torch_device": str(gen.target.device), "model_dtype": str(gen.target.dtype).replace("torch.", "")}
+
+
+def _pool_init(opts: dict) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        _init_worker(opts)
+    except BaseException as e:  # noqa: BLE001 (a Pool restarts workers whose initializer raises, forever:
+        _STATE["init_error"] = e  # keep the error and raise it from the first job, in the parent)
+
+
+def _pool_job(job: dict) -> tuple[dict, dict]:
+    error = _STATE.get("init_error")
+    if error is not None:
+        raise error
+    return _run_job(job), _worker_info()
+
+
+def run_jobs(jobs: list[dict], opts: dict, workers: int, on_result: Callable[[dict], None]) -> dict:
+    """Run ``jobs``, calling ``on_result(record)`` in this process as each completes; returns the worker
+    info (tree, device, dtype) of the model that ran them. workers == 1 runs in this process."""
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    if workers == 1 or len(jobs) <= 1:
+        _init_worker(opts)
+        info = _worker_info()
+        for job in jobs:
+            on_result(_run_job(job))
+        return info
+    info: dict = {}
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(min(workers, len(jobs)), initializer=_pool_init, initargs=(opts,)) as pool:
+        for record, info in pool.imap_unordered(_pool_job, jobs, chunksize=1):
+            on_result(record)
+    return info
+
+
+# ------------------------------------------------------------------------------------------------- sweep
+
+
+def device_name(device: str | None) -> str:
+    """A readable name of the device the sweep runs on ("NVIDIA H100 80GB HBM3", or the CPU)."""
+    import torch
+
+    from fsd_eagle.models import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def run_metadata(seed: int, command: str | None, device: str | None, workers: int) -> dict:
+    import torch
+    import transformers
+
+    import fsd_eagle
+
+    return {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
+            "fsd_eagle": getattr(fsd_eagle, "__version__", None) or _dist_version("fsd-eagle"),
+            "python": platform.python_version(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "seed": seed,
+            "command": command if command is not None else " ".join(sys.argv), "workers": workers,
+            "git_commit": _git_commit()}
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 (not installed: no version)
+        return None
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[str] = METHODS,
+              divergences: Sequence[str] = DEFAULT_DIVERGENCES,
+              thresholds: Sequence[float] | dict[str, Sequence[float]] = DEFAULT_THRESHOLDS,
+              *, target: str | None = None, head: str | None = None, device: str | None = None,
+              dtype: str | None = None, limit: int | dict[str, int | None] | None = None, workers: int = 1,
+              max_new_tokens: dict[str, int] | None = None, seed: int = 0, fuzzy_mode: str = "hybrid",
+              tree: dict | None = None, humaneval_timeout_s: float = HUMANEVAL_TIMEOUT_S,
+              command: str | None = None, progress: bool = True, data_dir: Path | str = _tasks.DATA_DIR,
+              report: bool = True, threads: int | None = None) -> dict:
+    """Run (or continue) a sweep into ``out``; returns the results dict also written to OUT/results.json.
+
+    ``threads``: torch CPU threads per worker (default: unchanged with one in-process worker; otherwise the
+    CPU cores shared among the workers on CPU, 1 per worker on GPU)."""
+    from fsd_eagle.models import resolve_device, resolve_dtype
+
+    configs = build_configs(methods, divergences, thresholds)
+    tasks = list(dict.fromkeys(tasks))
+    for t in tasks:
+        if t not in TASKS:
+            raise ConfigError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+    limit_of = dict(limit) if isinstance(limit, dict) else {t: limit for t in TASKS}
+    for t, n in limit_of.items():
+        if n is not None and (not isinstance(n, int) or n < 0):
+            raise InputError(f"--limit must be an integer >= 0, got {n!r} for {t}")
+    limits = dict(DEFAULT_MAX_NEW_TOKENS, **(max_new_tokens or {}))
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    out = Path(out)
+    store = ResultStore(out)
+    settings = {"target": str(target) if target else "default", "head": str(head) if head else "default",
+                "dtype": str(dt).replace("torch.", ""), "tree": tree or "preset", "fuzzy_mode": fuzzy_mode,
+                "max_new_tokens": {t: limits[t] for t in TASKS}, "seed": seed}
+    store.check_settings(settings)
+
+    questions = {t: load_questions(t, limit_of.get(t), data_dir) for t in tasks}
+    done = {(c.key, t): store.done(c.key, t) for c in configs for t in tasks}
+    jobs, total = [], 0
+    for t in tasks:
+        for q in questions[t]:
+            for c in configs:
+                total += 1
+                if q.qid in done[(c.key, t)]:
+                    continue
+                jobs.append({"config": c.to_json(), "key": c.key, "task": t, "qid": q.qid, "prompt": q.prompt,
+                             "payload": q.payload, "max_new_tokens": limits[t]})
+    cpu = os.cpu_count() or 1
+    opts = {"target": str(target) if target else None, "head": str(head) if head else None, "device": device,
+            "dtype": dtype, "seed": seed, "fuzzy_mode": fuzzy_mode, "tree": tree or {},
+            "configs": [c.to_json() for c in configs], "humaneval_timeout_s": humaneval_timeout_s,
+            "threads": threads if threads else (None if workers == 1 else
+                                                 max(1, cpu // workers) if dev.type == "cpu" else 1)}
+    meta = run_metadata(seed, command, device, workers)
+    meta.update(settings=settings, tasks=tasks, limit={t: limit_of.get(t) for t in tasks},
+                configs=[c.key for c in configs], threads=opts["threads"], jobs_total=total,
+                jobs_skipped=total - len(jobs))
+    print(f"sweep: {len(configs)} configs x {sum(len(q) for q in questions.values())} questions = {total} jobs; "
+          f"{total - len(jobs)} already in {out}, {len(jobs)} to run on {meta['device']} with {workers} worker(s)",
+          file=sys.stderr)
+    start, finished, ran = time.perf_counter(), False, 0
+    try:
+        if jobs:
+            if target is None:  # convert the default model once here, not in every worker at the same time
+                from fsd_eagle.models import default_target_path
+
+                default_target_path()
+            bar = _progress(total, total - len(jobs), progress)
+
+            def on_result(record: dict) -> None:
+                nonlocal ran
+                store.append(record)
+                ran += 1
+                bar.update(1)
+                bar.set_postfix_str(f"{record['config']} {record['task']}", refresh=False)
+
+            try:
+                meta.update(run_jobs(jobs, opts, workers, on_result))
+            finally:
+                bar.close()
+                store.close()
+        finished = True
+    finally:  # also for a failed or interrupted run: its command and device stay on record
+        meta.update(wall_s=round(time.perf_counter() - start, 1), jobs_run=ran, finished=finished)
+        with open(out / RUNS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(meta) + "\n")
+    if not report:
+        return {"meta": meta}
+    from .report import build_results, write_outputs
+
+    results = build_results(out)
+    write_outputs(out, results)
+    return results
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency, but a bar is not worth failing for
+        enabled = False
+    if not enabled:
+        class _Null:
+            def update(self, n=1): ...
+            def set_postfix_str(self, s, refresh=True): ...
+            def close(self): ...
+        return _Null()
+    return tqdm(total=total, initial=initial, unit="job", dynamic_ncols=True, smoothing=0.05)
+
+
+def _parse_task_ints(items: Iterable[str] | None, flag: str, minimum: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        if not sep:
+            name, value = "", item
+        try:
+            n = int(value)
+        except ValueError:
+            raise ConfigError(f"{flag} takes N or TASK=N, got {item!r}") from None
+        if n < minimum:
+            raise ConfigError(f"{flag} must be >= {minimum}, got {item!r}")
+        if name and name not in TASKS:
+            raise ConfigError(f"unknown task {name!r} in {flag}; choose from {', '.join(TASKS)}")
+        for t in ([name] if name else TASKS):
+            out[t] = n
+    return out
+
+
+def parse_max_new_tokens(items: Iterable[str] | None) -> dict[str, int]:
+    """``["256"]`` (every task) or ``["gsm8k=256", "mmlu=16"]`` -> {task: n}; later items win."""
+    return _parse_task_ints(items, "--max-new-tokens", 1)
+
+
+def parse_limits(items: Iterable[str] | None) -> dict[str, int]:
+    """``--limit``: ``["200"]`` (every task) or ``["gsm8k=200", "mmlu=500"]`` -> {task: n}; a task not
+    named runs all its questions."""
+    return _parse_task_ints(items, "--limit", 0)
+
+
+def parse_thresholds(items: Iterable[str] | None) -> dict[str, list[float]]:
+    """``--thresholds``: numbers (``0.1 0.5 inf``, for every divergence) and/or per-divergence lists
+    (``kl:0.5,1,2 js:0.1,0.2``) -> {divergence or "*": [T, ...]}; missing entries fall back to
+    DEFAULT_THRESHOLDS."""
+    from fsd_eagle.config import parse_threshold
+
+    def parse(text: str) -> float:
+        value = parse_threshold(text)
+        if value < 0:
+            raise ConfigError(f"threshold must be a number >= 0 or inf, got {text!r}")
+        return value
+
+    out: dict[str, list[float]] = {}
+    common: list[float] = []
+    for item in items or ():
+        name, sep, values = item.partition(":")
+        if sep:
+            if not name or not values:
+                raise ConfigError(f"--thresholds takes T or DIVERGENCE:T1,T2,..., got {item!r}")
+            out.setdefault(name, []).extend(parse(v) for v in values.split(",") if v.strip())
+        else:
+            common.append(parse(item))
+    defaults = {k: list(v) for k, v in DEFAULT_THRESHOLDS.items()}
+    if common:
+        defaults = {"*": common}
+    return {**defaults, **out}

@@ -1,0 +1,412 @@
+"""Tests of the benchmark harness (eval/sweep.py, eval/report.py, eval/fidelity.py, python -m eval).
+
+Offline and CPU-only: a tiny random Llama with the word-level tokenizer of test_api.py saved to a temporary
+folder, a random head, and a monkeypatched ``generate`` where the outputs must be controlled."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_api import make_llama, make_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eval/ is not installed: import it from the checkout
+
+from eval.__main__ import main as eval_main  # noqa: E402
+from eval.fidelity import mean_nll, sequence_nll  # noqa: E402
+from eval.report import aggregate, build_results, claim_check, merge_speed, render_markdown  # noqa: E402
+from eval.sweep import (DEFAULT_MAX_NEW_TOKENS, Config, ResultStore, build_configs, load_questions, mmlu_order,
+                        parse_limits, parse_max_new_tokens, parse_thresholds, run_sweep, threshold_from_json,
+                        threshold_to_json)  # noqa: E402
+from fsd_eagle.api import GenerationResult, SpeculativeGenerator  # noqa: E402
+from fsd_eagle.decode import DecodeStats  # noqa: E402
+from fsd_eagle.errors import ConfigError  # noqa: E402
+from fsd_eagle.head import EagleHead, HeadConfig  # noqa: E402
+from fsd_eagle.models import save_head  # noqa: E402
+
+torch.set_num_threads(1)
+
+REQUIRED = ("method", "divergence", "threshold", "tokens_per_s", "speedup_vs_ar", "tau", "gsm8k_acc", "mmlu_acc",
+            "humaneval_pass1", "agreement", "nll", "n", "fuzzy_accepted", "speed_source")
+META = ("device", "torch", "transformers", "fsd_eagle", "date", "seed", "command")
+TREE = ["--total-tokens", "6", "--depth", "3", "--tree-top-k", "2", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_models")
+    model = make_llama(seed=0)
+    model.save_pretrained(root / "target")
+    make_tokenizer().save_pretrained(root / "target")
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        save_head(EagleHead(HeadConfig.for_target(model.config)), root / "head", dtype=torch.float32)
+    return root
+
+
+def sweep_args(folders, out, *extra):
+    return ["sweep", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+            "--dtype", "float32", "--workers", "1", "--out", str(out), "--no-progress", *TREE, *extra]
+
+
+@pytest.fixture
+def count_generate(monkeypatch):
+    """Counts the benchmark's generate calls (prompts given as token ids; the warm-up passes text)."""
+    calls = []
+    real = SpeculativeGenerator.generate
+
+    def counting(self, prompt, *args, **kwargs):
+        if not isinstance(prompt, str):
+            calls.append(kwargs.get("fuzzy"))
+        return real(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", counting)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------------ sweep
+
+
+def test_sweep_writes_rows_with_required_keys(folders, tmp_path, count_generate):
+    out = tmp_path / "sw"
+    rc = eval_main(sweep_args(folders, out, "--tasks", "gsm8k", "--limit", "2", "--methods", "ar", "eagle2", "fsd",
+                              "--thresholds", "0.5", "inf", "--divergences", "kl", "--max-new-tokens", "gsm8k=8"))
+    assert rc == 0
+    assert len(count_generate) == 4 * 2
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["config"]: r for r in results["rows"]}
+    assert list(rows) == ["ar", "eagle2", "fsd-kl-0.5", "fsd-kl-inf"]
+    for row in rows.values():
+        for key in REQUIRED:
+            assert key in row, key
+        assert row["n"] == {"gsm8k": 2}
+        assert row["mmlu_acc"] is None and row["humaneval_pass1"] is None
+        assert 0 <= row["gsm8k_acc"] <= 1
+        assert row["tokens_per_s"] > 0 and row["tau"] >= 1 and row["nll"] > 0
+        assert "concurrent" not in row["speed_source"]  # one worker
+    assert rows["fsd-kl-inf"]["threshold"] == "inf" and rows["fsd-kl-0.5"]["threshold"] == 0.5
+    assert rows["eagle2"]["threshold"] == 0 and rows["ar"]["threshold"] is None
+    assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["agreement"] == 1.0
+    assert rows["ar"]["tau"] == 1.0
+    # exact EAGLE-2 is lossless: greedy tokens equal AR's, so agreement is 1 and NLL the same
+    assert rows["eagle2"]["agreement"] == 1.0
+    assert rows["eagle2"]["nll"] == pytest.approx(rows["ar"]["nll"], abs=1e-3)
+    assert rows["fsd-kl-inf"]["tau"] > 1.5  # every top child accepted
+    assert rows["fsd-kl-inf"]["fuzzy_accepted"] > 0
+    for key in META:
+        assert results["meta"][key] is not None, key
+    assert results["meta"]["command"].startswith("python -m eval sweep")
+    assert results["meta"]["tree"] == {"total_tokens": 6, "depth": 3, "top_k": 2}
+    md = (out / "results.md").read_text()
+    assert "| ar |" in md and "| fsd | kl | inf |" in md and "Claim check" in md
+    lines = (out / "raw" / "fsd-kl-inf" / "gsm8k.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    assert len(lines) == 2 and rec["qid"] == "0" and len(rec["token_ids"]) <= 8 and rec["nll_tokens"] > 0
+
+
+def test_sweep_resumes_without_redoing_questions(folders, tmp_path, count_generate):
+    out = tmp_path / "sw"
+    common = ("--tasks", "gsm8k", "--methods", "ar", "fsd", "--thresholds", "1", "--divergences", "js",
+              "--max-new-tokens", "6")
+    assert eval_main(sweep_args(folders, out, "--limit", "1", *common)) == 0
+    assert len(count_generate) == 2
+    assert eval_main(sweep_args(folders, out, "--limit", "3", *common)) == 0
+    assert len(count_generate) == 2 + 2 * 2  # only the two new questions, for both configs
+    # a run killed while writing: the last record of one file is cut in half
+    path = out / "raw" / "fsd-js-1" / "gsm8k.jsonl"
+    text = path.read_text()
+    last = text.rstrip("\n").rsplit("\n", 1)[1]
+    path.write_text(text[: len(text) - len(last) // 2 - 1])
+    assert eval_main(sweep_args(folders, out, "--limit", "3", *common)) == 0
+    assert len(count_generate) == 6 + 1  # just the cut question again
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(r["qid"] for r in records) == ["0", "1", "2"]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert all(r["n"] == {"gsm8k": 3} for r in rows)
+    runs = (out / "runs.jsonl").read_text().splitlines()
+    assert len(runs) == 3 and json.loads(runs[-1])["jobs_skipped"] == 5
+    # other settings must not mix into the same folder
+    with pytest.raises(ConfigError, match="other settings"):
+        run_sweep(out, ["gsm8k"], ["ar"], target=str(folders / "target"), head=str(folders / "head"),
+                  device="cpu", dtype="float32", limit=1, max_new_tokens={"gsm8k": 7}, progress=False,
+                  tree={"total_tokens": 6, "depth": 3, "top_k": 2})
+    assert len(count_generate) == 7
+
+
+def test_tau_command(folders, tmp_path, capsys):
+    out = tmp_path / "tau"
+    assert eval_main(["tau", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+                      "--dtype", "float32", "--limit", "2", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    result = json.loads((out / "tau.json").read_text())
+    assert result["questions"]["all"] == 2 and result["tau"]["all"] >= 1.0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
+def fake_result(text: str, ids=(5, 6, 7), forwards: int = 2, fuzzy: int = 0) -> GenerationResult:
+    stats = DecodeStats(new_tokens=len(ids), target_forwards=forwards, fuzzy_accepted=fuzzy, elapsed_s=0.5)
+    return GenerationResult(text, list(ids), stats, "eos")
+
+
+def test_sweep_scores_each_task(folders, tmp_path, monkeypatch):
+    """Controlled outputs: question 0 of each task is answered right, question 1 wrong; HumanEval's
+    programs really run (in subprocesses)."""
+    from eval.sweep import load_questions
+    from eval.tasks import load_humaneval
+
+    he = load_humaneval(limit=2)
+    good_code = "```python\n" + he[0].prompt + he[0].canonical_solution + "```"
+    mmlu = load_questions("mmlu", 2)
+    wrong = {"A": "B", "B": "C", "C": "D", "D": "A"}
+    mmlu_answers = {mmlu[0].prompt: "Answer: " + mmlu[0].payload["reference"],
+                    mmlu[1].prompt: "The answer is " + wrong[mmlu[1].payload["reference"]]}
+
+    prompts: dict[tuple, str] = {}
+
+    def fake_encode(self, prompt, chat=None):  # remember the text behind each prompt's ids
+        ids = (1, 3 + len(prompts))
+        prompts[ids] = prompt
+        return list(ids)
+
+    def fake_generate(self, prompt, max_new_tokens=256, **kwargs):
+        if isinstance(prompt, str):  # the warm-up
+            return fake_result("")
+        text = prompts[tuple(prompt)]
+        if "step by step" in text:  # GSM8K questions 0 and 1: references 18 and 3
+            return fake_result("so the answer is 18.")
+        if text in mmlu_answers:
+            return fake_result(mmlu_answers[text])
+        if "has_close_elements" in text:  # HumanEval/0
+            return fake_result(good_code)
+        if "separate_paren_groups" in text:  # HumanEval/1
+            return fake_result("```python\ndef separate_paren_groups(paren_string):\n    return [paren_string]\n```")
+        raise AssertionError(text)
+
+    monkeypatch.setattr(SpeculativeGenerator, "encode", fake_encode)
+    monkeypatch.setattr(SpeculativeGenerator, "generate", fake_generate)
+    out = tmp_path / "scored"
+    results = run_sweep(out, ["gsm8k", "mmlu", "humaneval"], ["ar"], target=str(folders / "target"),
+                        head=str(folders / "head"), device="cpu", dtype="float32", limit=2, progress=False)
+    (row,) = results["rows"]
+    assert row["n"] == {"gsm8k": 2, "mmlu": 2, "humaneval": 2}
+    assert row["gsm8k_acc"] == 0.5 and row["mmlu_acc"] == 0.5 and row["humaneval_pass1"] == 0.5
+    assert row["gsm8k_acc_se"] == pytest.approx(math.sqrt(0.25 / 2), abs=1e-4)
+    assert row["tau"] == 1.5 and row["tokens_per_s"] == 6.0
+    he_records = [json.loads(line) for line in (out / "raw" / "ar" / "humaneval.jsonl").read_text().splitlines()]
+    status = {r["qid"]: r["status"] for r in he_records}
+    assert status["HumanEval/0"] == "passed" and status["HumanEval/1"].startswith("failed")
+
+
+# ------------------------------------------------------------------------------------------------ table
+
+
+def rec(config, task, qid, ids, correct, method=None, divergence=None, threshold=None, new=None, secs=1.0,
+        forwards=None, nll=(1.0, 1)):
+    method = method or config.split("-")[0]
+    new = len(ids) if new is None else new
+    return {"config": config, "method": method, "divergence": divergence, "threshold": threshold, "task": task,
+            "qid": qid, "token_ids": list(ids), "correct": correct, "new_tokens": new, "elapsed_s": secs,
+            "target_forwards": new if forwards is None else forwards, "fuzzy_accepted": 0,
+            "nll_sum": nll[0], "nll_tokens": nll[1]}
+
+
+def hand_records():
+    return [
+        rec("ar", "gsm8k", "0", [1, 2, 3, 4], True, secs=2.0, nll=(2.0, 4)),
+        rec("ar", "gsm8k", "1", [5, 6], False, secs=2.0, nll=(2.0, 2)),
+        rec("eagle2", "gsm8k", "0", [1, 2, 3, 4], True, threshold=0.0, secs=1.0, forwards=2, nll=(2.0, 4)),
+        rec("eagle2", "gsm8k", "1", [5, 6], False, threshold=0.0, secs=1.0, forwards=1, nll=(2.0, 2)),
+        rec("fsd-kl-inf", "gsm8k", "0", [1, 2, 9, 4], False, "fsd", "kl", "inf", secs=0.5, forwards=1,
+            nll=(8.0, 4)),
+        rec("fsd-kl-inf", "gsm8k", "1", [5, 6, 7], True, "fsd", "kl", "inf", secs=0.5, forwards=1, nll=(4.0, 3)),
+    ]
+
+
+def test_aggregate_agreement_nll_speed():
+    rows = {r["config"]: r for r in aggregate(hand_records(), {"workers": 4, "device": "GPU X"})}
+    ar, e2, fsd = rows["ar"], rows["eagle2"], rows["fsd-kl-inf"]
+    assert [r["config"] for r in aggregate(reversed(hand_records()))] == ["ar", "eagle2", "fsd-kl-inf"]
+    # agreement per question: q0 3/4 (one token differs), q1 2/3 (one extra token); mean of the two
+    assert fsd["agreement"] == pytest.approx((0.75 + 2 / 3) / 2, abs=1e-4)
+    assert ar["agreement"] == e2["agreement"] == 1.0 and fsd["n_agreement"] == 2
+    assert fsd["nll"] == pytest.approx(12 / 7, abs=1e-4) and ar["nll"] == pytest.approx(4 / 6, abs=1e-4)
+    assert ar["tokens_per_s"] == 1.5 and e2["tokens_per_s"] == 3.0 and fsd["tokens_per_s"] == 7.0
+    assert e2["speedup_vs_ar"] == 2.0 and fsd["speedup_vs_ar"] == pytest.approx(7 / 1.5, abs=1e-3)
+    assert e2["tau"] == 2.0 and fsd["tau"] == 3.5
+    assert "4 concurrent workers on one GPU X" in fsd["speed_source"]
+    assert ar["gsm8k_acc"] == 0.5 and fsd["gsm8k_acc"] == 0.5
+    assert fsd["vs_eagle2"]["gsm8k"]["delta"] == 0.0 and fsd["vs_eagle2"]["gsm8k"]["n"] == 2
+    assert fsd["vs_eagle2"]["gsm8k"]["se"] == 1.0  # differences -1 and +1
+
+
+def test_render_table_and_claim_check():
+    rows = aggregate(hand_records(), {"workers": 1, "device": "cpu"})
+    md = render_markdown({"meta": {"device": "cpu", "command": "python -m eval sweep --x"}, "rows": rows})
+    lines = md.splitlines()
+    header = next(line for line in lines if line.startswith("| method"))
+    assert "GSM8K" in header and "MMLU" not in header and "agreement" in header and "NLL" in header
+    fsd_line = next(line for line in lines if line.startswith("| fsd | kl | inf |"))
+    cells = [c.strip() for c in fsd_line.strip("|").split("|")]
+    assert cells[3] == "7.0" and cells[4] == "4.67" and cells[5] == "3.50"
+    assert cells[7] == "50.0 ± 35.4" and cells[8] == "0.708" and cells[9] == "1.714" and cells[10] == "gsm8k:2"
+    assert "`python -m eval sweep --x`" in md
+    assert "**Answer: undetermined**" in md  # 2 questions are too few to answer
+    # the same paired figures on 40 questions: fsd is 2.33 x EAGLE-2's speed and its accuracy difference
+    # (0 ± 16 pp) is within noise -> yes; slowed to 1.07 x EAGLE-2 -> no; a significant drop -> no
+    many = [dict(r, vs_eagle2={"gsm8k": {"delta": 0.0, "se": 0.16, "n": 40}}) for r in rows]
+    assert any("**Answer: yes**" in line for line in claim_check(many, ["gsm8k"]))
+    slow = [dict(r) for r in many]
+    slow[2]["tokens_per_s"] = 3.2
+    assert any("**Answer: no**" in line for line in claim_check(slow, ["gsm8k"]))
+    worse = [dict(r) for r in many]
+    worse[2]["vs_eagle2"] = {"gsm8k": {"delta": -0.2, "se": 0.05, "n": 40}}
+    text = "\n".join(claim_check(worse, ["gsm8k"]))
+    assert "**Answer: no**" in text and "| kl | inf | 2.33 | -20.0 ± 5.0 | no | yes |" in text
+
+
+def test_merge_speed_rows():
+    rows = aggregate(hand_records(), {"workers": 8, "device": "GPU"})
+    speed = {"meta": {"source": "eval/speed.py, 1 process, 3 repeats"},
+             "rows": [{"method": "ar", "divergence": None, "threshold": None, "tokens_per_s": 100.0,
+                       "tokens_per_s_std": 2.0},
+                      {"method": "fsd", "divergence": "kl", "threshold": "inf", "tokens_per_s": 250.0}]}
+    assert merge_speed(rows, speed, "x") == 2
+    by = {r["config"]: r for r in rows}
+    assert by["fsd-kl-inf"]["tokens_per_s"] == 250.0 and by["fsd-kl-inf"]["speedup_vs_ar"] == 2.5
+    assert by["fsd-kl-inf"]["tokens_per_s_concurrent"] == 7.0
+    assert by["ar"]["tokens_per_s_std"] == 2.0 and by["ar"]["speed_source"].startswith("eval/speed.py")
+    assert "concurrent" in by["eagle2"]["speed_source"]  # not in the speed file: keeps the sweep's figure
+    md = render_markdown({"meta": {}, "rows": rows})
+    assert "- speed [1] (tok/s, speedup): eval/speed.py, 1 process" in md
+    assert next(line for line in md.splitlines() if line.startswith("| eagle2")).endswith("| [2] |")
+
+
+def test_merge_speed_py_rows():
+    """eval/speed.py's row names: ar_graph / ar_eager / eagle2_graph / fsd_<div>_T<T>_graph; graphs win."""
+    rows = aggregate(hand_records(), {"workers": 8, "device": "GPU"})
+    speed = {"meta": {"device": "NVIDIA H100", "date": "2026-11-26", "repeats": 2, "prompts": 20},
+             "rows": [{"method": "hf_generate", "tokens_per_s": 50.0},
+                      {"method": "ar_graph", "tokens_per_s": 120.0}, {"method": "ar_eager", "tokens_per_s": 80.0},
+                      {"method": "eagle2_eager", "tokens_per_s": 150.0},
+                      {"method": "eagle2_graph", "tokens_per_s": 300.0, "speedup_vs_hf": 6.0},
+                      {"method": "fsd_kl_Tinf_graph", "tokens_per_s": 360.0}]}
+    assert merge_speed(rows, speed, "speed file gpu_speed.json") == 3
+    by = {r["config"]: r for r in rows}
+    assert by["ar"]["tokens_per_s"] == 120.0 and by["ar"]["speed_method"] == "ar_graph"
+    assert by["eagle2"]["speedup_vs_ar"] == 2.5 and by["eagle2"]["speedup_vs_hf"] == 6.0
+    assert by["fsd-kl-inf"]["speedup_vs_ar"] == 3.0
+    assert by["fsd-kl-inf"]["speed_source"] == ("speed file gpu_speed.json (device NVIDIA H100, date 2026-11-26, "
+                                                "prompts 20, repeats 2)")
+
+
+def test_table_command_rebuilds_from_raw(tmp_path, capsys):
+    store = ResultStore(tmp_path)
+    for r in hand_records():
+        store.append(r)
+    store.close()
+    (tmp_path / "speed.json").write_text(json.dumps([{"config": "ar", "tokens_per_s": 10.0}]))
+    assert eval_main(["table", "--out", str(tmp_path), "--no-plot"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["config"] for r in results["rows"]] == ["ar", "eagle2", "fsd-kl-inf"]
+    assert results["rows"][0]["tokens_per_s"] == 10.0 and results["meta"]["speed_rows_merged"] == 1
+    assert "| fsd | kl | inf |" in capsys.readouterr().out
+    assert eval_main(["table", "--out", str(tmp_path / "empty")]) == 2  # nothing there: one-line error
+
+
+def test_plot_or_note(tmp_path, capsys):
+    from eval.report import plot_accuracy_vs_speed
+
+    results = {"meta": {}, "rows": aggregate(hand_records())}
+    path = plot_accuracy_vs_speed(results, tmp_path / "p.png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert path is None and "matplotlib" in capsys.readouterr().out
+    else:
+        assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+class FixedRuleLM(torch.nn.Module):
+    """p(next = (x + 1) mod V | x) = 1/2, every other token 1/(2(V-1)), whatever came before."""
+
+    V = 5
+
+    def __init__(self):
+        super().__init__()
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, use_cache=False):
+        probs = torch.full((*input_ids.shape, self.V), 0.5 / (self.V - 1))
+        probs.scatter_(-1, ((input_ids + 1) % self.V)[..., None], 0.5)
+        return SimpleNamespace(logits=torch.log(probs) + 3.0)  # any shift: logits, not log-probs
+
+
+def test_sequence_nll_hand_case():
+    lm = FixedRuleLM()
+    # prompt [0, 1], output [2, 3, 0]: every token follows the rule -> ln 2 each
+    total, n = sequence_nll(lm, [0, 1], [2, 3, 4])
+    assert n == 3 and total == pytest.approx(3 * math.log(2), rel=1e-6)
+    # output [2, 2]: the second breaks it -> ln 2 + ln(2 (V - 1))
+    assert sequence_nll(lm, [0, 1], [2, 2])[0] == pytest.approx(math.log(2) + math.log(8), rel=1e-6)
+    # an off-by-one (scoring token t with the logits at t) would give ln 8 for [2] after [1]; must be ln 2
+    assert mean_nll(lm, [1], [2]) == pytest.approx(math.log(2), rel=1e-6)
+    assert sequence_nll(lm, [0], []) == (0.0, 0) and mean_nll(lm, [0], []) is None
+
+
+def test_sequence_nll_matches_log_softmax_on_a_real_model():
+    model = make_llama(seed=3)
+    prompt, output = [1, 5, 17, 99, 3], [42, 64, 8, 8, 120]
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    expected = -sum(float(logp[len(prompt) - 1 + i, tok]) for i, tok in enumerate(output))
+    total, n = sequence_nll(model, prompt, output)
+    assert n == 5 and total == pytest.approx(expected, rel=1e-5)
+
+
+def test_configs_thresholds_and_limits():
+    keys = [c.key for c in build_configs(["ar", "eagle2", "fsd"], ["kl", "js"], [0.0, 0.5, math.inf])]
+    assert keys == ["ar", "eagle2", "fsd-kl-0.5", "fsd-kl-inf", "fsd-js-0.5", "fsd-js-inf"]
+    assert [c.key for c in build_configs(["fsd"], ["tv"], [0.0])] == ["fsd-tv-0"]  # kept without eagle2
+    with pytest.raises(ConfigError):
+        build_configs(["fsd"], ["nope"], [0.1])
+    with pytest.raises(ConfigError):
+        build_configs(["beam"])
+    assert threshold_to_json(math.inf) == "inf" and threshold_from_json("inf") == math.inf
+    assert threshold_to_json(0.25) == 0.25 and threshold_from_json(None) is None
+    assert Config("fsd", "js", 0.1).to_json() == {"method": "fsd", "divergence": "js", "threshold": 0.1}
+    assert parse_max_new_tokens(["100", "mmlu=8"]) == {"gsm8k": 100, "mmlu": 8, "humaneval": 100}
+    assert parse_max_new_tokens(None) == {} and DEFAULT_MAX_NEW_TOKENS["gsm8k"] == 256
+    for bad in (["gsm8k=0"], ["piqa=5"], ["x"]):
+        with pytest.raises(ConfigError):
+            parse_max_new_tokens(bad)
+    assert parse_thresholds(["0.5", "inf"]) == {"*": [0.5, math.inf]}
+    per = parse_thresholds(["kl:1,2", "js:0.1", "0.3"])
+    assert per == {"*": [0.3], "kl": [1.0, 2.0], "js": [0.1]}
+    assert [c.key for c in build_configs(["fsd"], ["kl", "js", "tv"], per)] == [
+        "fsd-kl-1", "fsd-kl-2", "fsd-js-0.1", "fsd-tv-0.3"]
+    assert parse_thresholds(None)["kl"] and parse_thresholds(None)["js"]  # defaults per divergence
+    for bad in (["kl:"], ["-1"], ["kl:x"]):
+        with pytest.raises(ConfigError):
+            parse_thresholds(bad)
+    assert parse_limits(["200", "humaneval=5"]) == {"gsm8k": 200, "mmlu": 200, "humaneval": 5}
+    order = mmlu_order(14042)
+    assert sorted(order) == list(range(14042)) and order == mmlu_order(14042)
+    small, large = load_questions("mmlu", 20), load_questions("mmlu", 60)
+    assert {q.qid for q in small} < {q.qid for q in large}  # a larger limit keeps the smaller one's questions
+    assert len({q.payload["topic"] for q in small}) > 10  # spread over subjects (the file is grouped by them)
+    assert [q.qid for q in load_questions("gsm8k", 3)] == ["0", "1", "2"]
+
+
+def test_build_results_without_records(tmp_path):
+    from fsd_eagle.errors import InputError
+
+    with pytest.raises(InputError):
+        build_results(tmp_path)
