@@ -93,7 +93,10 @@ class SpeculativeGenerator:
         elif random_head or (target is None and draft_model is None):
             head_module = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(dev, dt).eval()
         draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
-        return cls(model, tokenizer, head_module, draft, tree or TreeConfig())
+        if tree is None:  # the tuned preset for this target and device type (trees/presets.json), else defaults
+            from .trees_presets import preset_tree
+            tree = preset_tree(Target(model))
+        return cls(model, tokenizer, head_module, draft, tree)
 
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:

@@ -1,0 +1,225 @@
+"""Tree presets (fsd_eagle.trees_presets: lookup, fallbacks, SpeculativeGenerator.load's default) and the tree
+tuner (trees/tune.py: grid, replayed acceptance, cost model, pruning, choice, and one end-to-end run on a
+tiny random model whose replayed tau must equal real decoding's)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsd_eagle import trees_presets
+from fsd_eagle.api import SpeculativeGenerator
+from fsd_eagle.config import TreeConfig
+from fsd_eagle.errors import ConfigError
+from fsd_eagle.target import Target
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from trees import tune  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+class WordTokenizer:
+    """Just what SpeculativeGenerator needs to decode token ids: no EOS, no chat template."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def named_model(model, name: str):
+    model = copy.deepcopy(model)
+    model.config._name_or_path = name
+    return model
+
+
+def write(tmp_path: Path, table: dict) -> Path:
+    path = tmp_path / "presets.json"
+    path.write_text(json.dumps(table))
+    return path
+
+
+TABLE = {
+    "_shapes": {"chain-3": {"total_tokens": 4, "depth": 3, "top_k": 1}},
+    "tiny-x": {"cpu": {"tree": {"total_tokens": 8, "depth": 3, "top_k": 2}, "measured": {"tuned": True}},
+               "cuda": {"tree": "chain-3"}},
+    "tiny-shape": {"cpu": {"tree": "chain-3"}},
+}
+
+
+# ------------------------------------------------------------------------------------------ preset lookup
+
+def test_preset_file_entry_is_honoured(tmp_path, tiny_llama):
+    path = write(tmp_path, TABLE)
+    assert trees_presets.preset_tree(Target(named_model(tiny_llama, "/models/tiny-x/")), path) == TreeConfig(8, 3, 2)
+    assert trees_presets.preset_tree(Target(named_model(tiny_llama, "tiny-shape")), path) == TreeConfig(4, 3, 1)
+    assert trees_presets.named_shape("chain-3", path) == TreeConfig(4, 3, 1)
+
+
+def test_unknown_model_device_or_missing_file_gives_defaults(tmp_path, tiny_llama):
+    path = write(tmp_path, TABLE)
+    assert trees_presets.preset_tree(Target(named_model(tiny_llama, "someone/else")), path) == TreeConfig()
+    assert trees_presets.preset_tree(Target(tiny_llama), path) == TreeConfig()  # no name at all
+    assert trees_presets.lookup(TABLE, "tiny-x", "mps") is None
+    assert trees_presets.lookup(TABLE, "_shapes", "cpu") is None
+    absent = tmp_path / "absent.json"
+    assert trees_presets.preset_tree(Target(named_model(tiny_llama, "tiny-x")), absent) == TreeConfig()
+    wildcard = dict(TABLE, **{"*": {"cpu": {"tree": {"total_tokens": 5, "depth": 4, "top_k": 1}}}})
+    assert trees_presets.lookup(wildcard, "someone", "cpu") == TreeConfig(5, 4, 1)
+
+
+def test_bad_preset_files_fail_with_one_line(tmp_path, tiny_llama):
+    target = Target(named_model(tiny_llama, "tiny-x"))
+    bad = tmp_path / "bad.json"
+    for table_or_text in ("{not json", "[1, 2]"):
+        bad.write_text(table_or_text)
+        with pytest.raises(ConfigError):
+            trees_presets.preset_tree(target, bad)
+    for spec in ({"total_tokens": 8, "depth": 3}, {"total_tokens": 0, "depth": 3, "top_k": 1}, "no-such-shape"):
+        with pytest.raises(ConfigError):
+            trees_presets.preset_tree(target, write(tmp_path, {"tiny-x": {"cpu": {"tree": spec}}}))
+
+
+def test_shipped_presets_file_is_found_and_valid():
+    assert trees_presets.PRESETS == ROOT / "trees" / "presets.json"
+    table = trees_presets.load_presets()
+    for name in table["_shapes"]:
+        trees_presets.named_shape(name)
+    assert trees_presets.named_shape("eagle2-default") == TreeConfig()
+    assert trees_presets.named_shape("chain-6") == TreeConfig(7, 6, 1)
+    entry = table["SmolLM2-135M-Instruct"]
+    for device in ("cpu", "cuda"):
+        assert trees_presets.lookup(table, "SmolLM2-135M-Instruct", device) is not None
+        assert "tuned" in entry[device]["measured"]
+
+
+def test_load_uses_the_preset_unless_a_tree_is_given(tmp_path, monkeypatch, tiny_llama):
+    import fsd_eagle.api as api
+
+    model = named_model(tiny_llama, str(tmp_path / "tiny-x"))
+    monkeypatch.setattr(api, "load_target", lambda path, device, dtype: (model, WordTokenizer()))
+    monkeypatch.setattr(trees_presets, "PRESETS", write(tmp_path, TABLE))
+    assert SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu").tree == TreeConfig(8, 3, 2)
+    given = TreeConfig(6, 2, 3)
+    assert SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu", tree=given).tree == given
+    monkeypatch.setattr(trees_presets, "PRESETS", tmp_path / "absent.json")
+    assert SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu").tree == TreeConfig()
+
+
+# ------------------------------------------------------------------------------------------ tuner logic
+
+def test_candidate_grid_keeps_distinct_reachable_trees():
+    grid = tune.candidate_grid((4, 8, 96), (1, 3, 7), (1, 4))
+    assert len(grid) == len(set(grid))
+    for c in grid:
+        assert c.total_tokens == tune.tree_size(c.total_tokens, c.depth, c.top_k) and c.depth <= c.total_tokens - 1
+    chains = {c for c in grid if c.top_k == 1}
+    assert chains == {TreeConfig(2, 1, 1), TreeConfig(4, 3, 1), TreeConfig(8, 7, 1)}
+    assert TreeConfig(5, 1, 4) in grid and TreeConfig(4, 1, 4) in grid  # 8 and 96 nodes cap at 1 + 4 at depth 1
+    assert TreeConfig(37, 3, 4) in grid and TreeConfig(96, 7, 4) in grid
+    assert not any(c.depth == 7 and c.total_tokens == 4 for c in grid)  # too few nodes to reach depth 7
+    assert tune.tree_size(60, 6, 10) == 60 and tune.tree_size(60, 2, 4) == 21
+    # top_k >= total_tokens - 1 draws the same tree as any larger top_k: only the smallest is kept
+    assert tune.candidate_grid((8,), (2,), (4, 8, 10)) == [TreeConfig(8, 2, 4), TreeConfig(8, 2, 8)]
+    assert tune.candidate_grid((4,), (1,), (4, 8, 10)) == [TreeConfig(4, 1, 4)]
+
+
+def test_a_larger_top_k_beyond_total_tokens_draws_the_same_tree(tiny_llama):
+    from fsd_eagle.drafter import EagleDrafter
+    from fsd_eagle.head import EagleHead, HeadConfig
+    from fsd_eagle.tree import draft_tree
+
+    target = Target(tiny_llama)
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleHead(HeadConfig.for_target(tiny_llama.config)).eval(), target)
+    prompt = torch.tensor([5, 17, 99, 3, 42, 64, 8])
+    target.allocate(64)
+    feats = target.prefill(prompt)
+    drafter.allocate(64, TreeConfig(8, 3, 12))
+    root = drafter.prefill(torch.cat([prompt, prompt[:1]]), feats)
+    for n, depth in ((8, 3), (5, 2), (4, 1)):
+        trees = [draft_tree(drafter, prompt[0], root.logits, root.state, TreeConfig(n, depth, k))
+                 for k in (n - 1, n + 1, 12)]
+        for t in trees[1:]:
+            assert torch.equal(t.tokens, trees[0].tokens) and torch.equal(t.parents, trees[0].parents)
+
+
+def test_accepted_drafts_and_walk():
+    # root 0 -> 1 (a), 2 (b); 1 -> 3 (c), 4 (d); 3 -> 5 (e)
+    tokens, parents = [9, 10, 11, 12, 13, 14], [0, 0, 0, 1, 1, 3]
+    assert tune.accepted_drafts(tokens, parents, [10, 12, 14, 99]) == 3
+    assert tune.accepted_drafts(tokens, parents, [10, 13, 14]) == 2
+    assert tune.accepted_drafts(tokens, parents, [11, 12]) == 1  # 12 is not a child of 11's node
+    assert tune.accepted_drafts(tokens, parents, [99]) == 0
+    assert tune.accepted_drafts(tokens, parents, []) == 0
+    assert tune.walk([0] * 9, 10) == (10, 10)  # autoregressive: one token a forward
+    # prefill makes token 0; round at 0 accepts 2 (+ bonus) -> 3 tokens; at 3: 0 -> 1; at 4: 5, capped at 10
+    assert tune.walk([2, 0, 0, 0, 5, 0, 0, 0, 0], 10) == (10, 4)
+    assert tune.walk([], 1) == (1, 1)
+
+
+def test_cost_model_prediction_prune_and_pick():
+    costs = tune.Costs(target_s={1: 0.10, 8: 0.12, 64: 0.40}, step_s={1: 0.02, 4: 0.03}, commit_s={2: 0.02, 8: 0.03},
+                       rest_s=0.01, build_s={TreeConfig(8, 3, 4): 0.005})
+    assert costs.round_s(tune.AR) == pytest.approx(0.11)
+    chain = 0.10 + 0.02 * 3 / 7 + 2 * 0.02 + (0.02 + 0.01 * 2 / 6) + 0.01  # t(4) interpolated, commit of 4 rows
+    assert costs.round_s(TreeConfig(4, 3, 1)) == pytest.approx(chain)
+    assert costs.round_s(TreeConfig(8, 3, 4)) == pytest.approx(0.12 + 2 * 0.03 + 0.005 + 0.02 + 0.01 / 3 + 0.01)
+    assert tune._interp(costs.target_s, 120) == pytest.approx(0.40 + (0.40 - 0.12) * 56 / 56)  # extended linearly
+    runs = [tune.Replayed(new_tokens=30, forwards=10, prefill_s=0.5), tune.Replayed(20, 10, 0.5)]
+    tau, rate = tune.predict(costs, TreeConfig(8, 3, 4), runs)
+    assert tau == pytest.approx(2.5) and rate == pytest.approx(50 / (1.0 + 18 * costs.round_s(TreeConfig(8, 3, 4))))
+    a, b, c, d = TreeConfig(2, 1, 1), TreeConfig(3, 2, 1), TreeConfig(4, 3, 1), TreeConfig(5, 4, 1)
+    assert tune.prune({a: 10.0, b: 8.0, c: 7.0, d: 1.0}, keep_frac=0.75, min_keep=1) == {a, b}
+    assert tune.prune({a: 10.0, b: 8.0, c: 7.0, d: 1.0}, keep_frac=0.75, min_keep=3) == {a, b, c}
+    rows = [{"tree": tune.AR, "steady_tokens_per_s": 9.0, "tokens_per_s": 9.0},
+            {"tree": a, "steady_tokens_per_s": 8.0, "tokens_per_s": 8.5},
+            {"tree": b, "steady_tokens_per_s": 8.5, "tokens_per_s": 7.5},
+            {"tree": c, "steady_tokens_per_s": 8.5, "tokens_per_s": 7.9}]
+    assert tune.pick(rows)["tree"] == c  # never AR; best steady tokens/s, then plain tokens/s
+    with pytest.raises(ValueError):
+        tune.pick(rows[:1])
+
+
+def test_write_preset_keeps_other_entries(tmp_path):
+    path = write(tmp_path, TABLE)
+    entry = {"tree": {"total_tokens": 5, "depth": 4, "top_k": 1}, "measured": {"tuned": True}}
+    tune.write_preset(path, "tiny-x", "cpu", entry)
+    tune.write_preset(path, "new-model", "cuda", entry)
+    table = json.loads(path.read_text())
+    assert table["tiny-x"]["cpu"] == entry and table["tiny-x"]["cuda"] == TABLE["tiny-x"]["cuda"]
+    assert table["new-model"] == {"cuda": entry} and table["_shapes"] == TABLE["_shapes"]
+
+
+def test_tune_end_to_end_replay_equals_real_decoding(tiny_llama):
+    """A draft model that is a noisy copy of the target accepts some drafts: every finalist's tau from the
+    replay must be the tau of really decoding it, and the chosen tree must be one of the grid's."""
+    draft = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=draft)
+    prompts = [[5, 17, 99, 3, 42, 64, 8], [7, 7, 30, 101, 12], [90, 4, 56, 23, 11, 70]]
+    grid = tune.candidate_grid((4, 8), (1, 2, 3), (1, 2))
+    entry = tune.tune(gen, prompts, grid, max_new_tokens=14, validate=3, finalists=2, prune_after=1,
+                      keep_frac=0.5, repeats=1, warmup=0, log=lambda msg: None)
+    chosen = TreeConfig(**entry["tree"])
+    assert chosen in grid
+    m = entry["measured"]
+    rows = {r["tree"]: r for r in m["finalists"]}
+    assert set(rows) >= {"ar", "60/6/10", tune.label(chosen)} and len(rows) >= 4
+    for name, row in rows.items():
+        if "replay_tau" in row:
+            assert row["replay_tau"] == pytest.approx(row["tau"]), name
+    assert rows["ar"]["tau"] == 1.0 and m["tau"] == rows[tune.label(chosen)]["tau"]
+    assert m["replay"]["trees"] == len(grid) and m["replay"]["kept_to_the_end"] >= 2
+    assert set(m["costs_ms"]["draft_step_by_top_k"]) == {"1", "2"}

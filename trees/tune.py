@@ -1,0 +1,596 @@
+"""Tree tuner: choose the draft tree (total_tokens, depth, top_k) that decodes fastest for a target, its head
+and a device, and write it into ``trees/presets.json``.
+
+    python -m trees.tune --device cpu [--target DIR] [--head DIR] [--out trees/presets.json]
+
+Method (greedy decoding, exact rule):
+
+1. Costs. The target's verify forward (``Target.forward_tree`` over n chain tokens after a ~200-token prefix,
+   plus the lm_head over the n rows) for n in COST_SIZES; the head's commit (the root's draft logits);
+   synchronized on CUDA; a few sweeps after a warm-up, then one more after each prompt of step 2, so that
+   the medians see the same load from other processes as the rest of the run. Draft-step costs per top_k
+   are timed during step 2.
+2. Acceptance. Each held-out prompt (MT-bench and GSM8K test questions) is decoded autoregressively (its
+   rounds timed: the autoregressive round cost); that
+   greedy continuation is what every tree is verified against (lossless decoding yields the same tokens
+   whatever the tree). The head then walks the continuation one token at a time, as decoding commits it,
+   and at every position drafts every candidate tree of the grid (one expansion per top_k serves all depths
+   and sizes: a tree's first levels do not depend on its depth). A tree's accepted length at a position is
+   its longest root path that matches the continuation, so the decode of any tree can be replayed: rounds
+   jump by accepted + 1 tokens, and tau = new tokens / target forwards. After ``--prune-after`` prompts,
+   trees whose predicted speed is far below the best stop being drafted.
+3. Model. A round costs t_target(n) + (depth - 1) t_step(top_k) + t_build + t_commit(depth + 1) + t_rest,
+   t_rest being the rest of an autoregressive round; predicted tokens/s = new tokens / (prefills + rounds).
+4. Validation and choice. The ``--finalists`` best predicted trees, the EAGLE-2 default tree and plain
+   autoregressive decoding are really decoded (the library's decode loop and round runner, every round
+   timed) on the first ``--validate`` prompts, back to back per prompt, so that load from other processes
+   hits all alike. "Steady" tokens/s counts every round at its decode's median round time (bursts of load
+   elsewhere removed). The preset is the drafting tree with the best measured steady tokens/s; its measured
+   tokens/s and tau, the baselines, the replayed tau and the model's error are recorded with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from fsd_eagle.config import TreeConfig
+from fsd_eagle.decode import DecodeStats, decode
+from fsd_eagle.tree import draft_tree
+from fsd_eagle.verify import AcceptanceRule
+
+GRID_TOTALS = (4, 8, 16, 32, 60, 96)
+GRID_DEPTHS = (1, 2, 3, 4, 5, 6, 7)
+GRID_TOP_KS = (1, 4, 8, 10)
+COST_SIZES = (1, 2, 4, 8, 16, 32, 60, 96)
+AR = TreeConfig(total_tokens=1, depth=1, top_k=1)
+DEFAULT_TREE = TreeConfig()
+DEFAULT_OUT = Path(__file__).resolve().parent / "presets.json"
+
+
+# ----------------------------------------------------------------------------------------------- the grid
+
+def tree_size(total_tokens: int, depth: int, top_k: int) -> int:
+    """Nodes (root included) a tree of this shape really has: EAGLE-2 drafts top_k candidates at depth 1 and
+    top_k^2 at each later depth, so total_tokens beyond 1 + top_k + (depth - 1) top_k^2 is never reached."""
+    return min(total_tokens, 1 + top_k + (depth - 1) * top_k * top_k)
+
+
+def candidate_grid(totals: Sequence[int] = GRID_TOTALS, depths: Sequence[int] = GRID_DEPTHS,
+                   top_ks: Sequence[int] = GRID_TOP_KS) -> list[TreeConfig]:
+    """The distinct drafting trees of the grid, each with total_tokens = its real size.
+
+    Left out: shapes deeper than their node count allows (depth > total_tokens - 1: levels that can never
+    be kept), and shapes that draw the same tree as one with a smaller top_k: once top_k >= total_tokens - 1,
+    the kept nodes (the total_tokens - 1 best by cumulative log-prob; a node's better siblings and its
+    ancestors are all better than it) are candidates whatever the top_k, so a larger top_k only costs more.
+    """
+    best: dict[tuple[int, int, int], TreeConfig] = {}
+    for total in totals:
+        for depth in depths:
+            for k in sorted(set(top_ks)):
+                n = tree_size(total, depth, k)
+                if n >= 2 and depth <= n - 1:
+                    best.setdefault((n, depth, min(k, n - 1)), TreeConfig(total_tokens=n, depth=depth, top_k=k))
+    return sorted(best.values(), key=lambda c: (c.top_k, c.depth, c.total_tokens))
+
+
+def label(cfg: TreeConfig) -> str:
+    return "ar" if not cfg.drafts else f"{cfg.total_tokens}/{cfg.depth}/{cfg.top_k}"
+
+
+def tree_dict(cfg: TreeConfig) -> dict:
+    return {"total_tokens": cfg.total_tokens, "depth": cfg.depth, "top_k": cfg.top_k}
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+
+def accepted_drafts(tokens: Sequence[int], parents: Sequence[int], continuation: Sequence[int]) -> int:
+    """Draft tokens greedy verification accepts: the longest root path of the tree (node 0 = root) whose
+    tokens are the first tokens of ``continuation`` (the target's own greedy choices after the root)."""
+    child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+    node = accepted = 0
+    for tok in continuation:
+        node = child.get((node, tok))
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
+def walk(accepts: Sequence[int], length: int) -> tuple[int, int]:
+    """Replay a decode of ``length`` tokens from per-position accepted drafts (``accepts[t]``: at the round
+    whose root is token t of the continuation). Returns (new tokens, target forwards), the prefill (which
+    makes token 0) counted as one forward, exactly as DecodeStats counts them."""
+    produced, forwards = 1, 1
+    while produced < length:
+        produced += min(accepts[produced - 1] + 1, length - produced)
+        forwards += 1
+    return produced, forwards
+
+
+# ---------------------------------------------------------------------------------------------- cost model
+
+def _interp(table: dict[int, float], x: float) -> float:
+    """Piecewise-linear through the measured points, extended linearly beyond them."""
+    xs = sorted(table)
+    if len(xs) == 1:
+        return table[xs[0]]
+    if x <= xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif x >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        hi = next(v for v in xs if v >= x)
+        lo = xs[xs.index(hi) - 1]
+    return max(0.0, table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo))
+
+
+@dataclass
+class Costs:
+    """Seconds: target verify forward + lm_head over n rows; one draft level per top_k; building a tree
+    (top-k, rerank; per tree shape, by default 0); the head's commit of P rows with the root's logits; the
+    rest of a round (verification, cache compaction, host sync), from autoregressive decoding."""
+
+    target_s: dict[int, float]
+    step_s: dict[int, float]
+    commit_s: dict[int, float]
+    rest_s: float = 0.0
+    build_s: dict[TreeConfig, float] = field(default_factory=dict)
+
+    def round_s(self, cfg: TreeConfig) -> float:
+        if not cfg.drafts:
+            return _interp(self.target_s, 1) + self.rest_s
+        return (_interp(self.target_s, cfg.total_tokens) + (cfg.depth - 1) * self.step_s[cfg.top_k]
+                + self.build_s.get(cfg, 0.0) + _interp(self.commit_s, cfg.depth + 1) + self.rest_s)
+
+    def to_ms(self) -> dict:
+        ms = lambda d: {str(k): round(v * 1e3, 2) for k, v in sorted(d.items())}  # noqa: E731
+        return {"target_forward_by_tree_tokens": ms(self.target_s), "draft_step_by_top_k": ms(self.step_s),
+                "head_commit_by_rows": ms(self.commit_s), "round_rest": round(self.rest_s * 1e3, 2)}
+
+
+@dataclass
+class Replayed:
+    """One prompt's replay for one tree: new tokens, target forwards, and the prompt's prefill seconds."""
+
+    new_tokens: int
+    forwards: int
+    prefill_s: float
+
+
+@dataclass
+class Run:
+    """A real decode: its tokens (EOS included), target forwards, seconds in all, to the first token
+    (prefill), and of each later round."""
+
+    tokens: list[int]
+    forwards: int
+    elapsed_s: float
+    prefill_s: float
+    round_s: list[float]
+
+    @property
+    def steady_s(self) -> float:
+        """Seconds with every round at the median round time: insensitive to bursts of load elsewhere."""
+        return self.prefill_s + (statistics.median(self.round_s) * len(self.round_s) if self.round_s else 0.0)
+
+
+def predict(costs: Costs, cfg: TreeConfig, runs: Sequence[Replayed]) -> tuple[float, float]:
+    """(tau, predicted tokens/s) of a tree over replayed prompts."""
+    new = sum(r.new_tokens for r in runs)
+    fwd = sum(r.forwards for r in runs)
+    seconds = sum(r.prefill_s + (r.forwards - 1) * costs.round_s(cfg) for r in runs)
+    return new / fwd, new / seconds if seconds > 0 else 0.0
+
+
+def prune(predicted: dict[TreeConfig, float], keep_frac: float, min_keep: int) -> set[TreeConfig]:
+    """Trees still worth drafting: predicted tokens/s >= keep_frac x the best, and at least the min_keep best."""
+    ranked = sorted(predicted, key=predicted.get, reverse=True)
+    if not ranked:
+        return set()
+    best = predicted[ranked[0]]
+    return {c for i, c in enumerate(ranked) if i < min_keep or predicted[c] >= keep_frac * best}
+
+
+def pick(rows: Sequence[dict]) -> dict:
+    """The chosen tree among measured ones: drafting trees only, by steady tokens/s (rounds at their median
+    time), then by plain tokens/s."""
+    drafting = [r for r in rows if r["tree"].drafts]
+    if not drafting:
+        raise ValueError("no drafting tree was measured")
+    return max(drafting, key=lambda r: (r["steady_tokens_per_s"], r["tokens_per_s"]))
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+class SharedSteps:
+    """Drafter for one root that computes each level of a top_k expansion once: every tree of that top_k
+    drafted from this root reuses it (their first levels are the same whatever the depth or size). Real
+    steps are timed into ``times``."""
+
+    def __init__(self, drafter, sync: Callable[[], None], times: list[float]) -> None:
+        self.drafter, self.sync, self.times = drafter, sync, times
+        self.memo: dict[int, tuple[torch.Tensor, tuple]] = {}
+
+    def step(self, depth, tokens, states, rows_anc):
+        hit = self.memo.get(depth)
+        if hit is not None and torch.equal(hit[0], tokens):
+            return hit[1]
+        self.sync()
+        start = time.perf_counter()
+        out = self.drafter.step(depth, tokens, states, rows_anc)
+        self.sync()
+        self.times.append(time.perf_counter() - start)
+        self.memo = {d: v for d, v in self.memo.items() if d < depth}
+        self.memo[depth] = (tokens.clone(), out)
+        return out
+
+
+_T0 = time.perf_counter()
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class Tuner:
+    """Measurements on one SpeculativeGenerator (its target, head drafter and tokenizer)."""
+
+    def __init__(self, gen, log: Callable[[str], None] = _log) -> None:
+        if gen.drafter is None:
+            raise SystemExit("error: the tuner needs a draft head (--head) for the target")
+        self.gen, self.target, self.drafter, self.log = gen, gen.target, gen.drafter, log
+        self.dev = gen.target.device
+        self.sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
+
+    def _time(self, fn) -> float:
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def target_costs(self, prefix: Sequence[int], sizes: Sequence[int], repeats: int, warmup: int
+                     ) -> dict[int, list[float]]:
+        """Timed seconds of a verify forward (forward_tree over an n-token chain, then the lm_head)."""
+        t = self.target
+        ids = torch.tensor(list(prefix), device=self.dev)
+        t.allocate(ids.shape[0] + max(sizes) + 8)
+        t.prefill(ids)
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for r in range(warmup + repeats):
+            for n in sizes:  # sizes interleaved: background load spreads over all of them
+                toks = ids[-n:] if n <= ids.shape[0] else ids[torch.arange(n, device=self.dev) % ids.shape[0]]
+                depths = torch.arange(n, device=self.dev)
+                anc = torch.ones(n, n, dtype=torch.bool, device=self.dev).tril()
+                s = self._time(lambda: t.logits(t.forward_tree(toks, depths, anc)))
+                if r >= warmup:
+                    times[n].append(s)
+        return times
+
+    @torch.no_grad()
+    def commit_costs(self, prefix: Sequence[int], rows: Sequence[int], repeats: int, warmup: int
+                     ) -> dict[int, list[float]]:
+        """Timed seconds of the head's commit of P rows (one head forward + the root's draft logits)."""
+        t, d = self.target, self.drafter
+        ids = torch.tensor(list(prefix), device=self.dev)
+        room = ids.shape[0] + (warmup + repeats) * len(rows) + max(rows) + 8
+        t.allocate(room)
+        feats = t.prefill(ids)
+        d.allocate(room, TreeConfig(total_tokens=2, depth=1, top_k=1))
+        d.prefill(ids, feats[:-1])
+        one = torch.ones((), dtype=torch.long, device=self.dev)
+        times: dict[int, list[float]] = {p: [] for p in rows}
+        for r in range(warmup + repeats):
+            for p in rows:
+                s = self._time(lambda: d.commit(ids[-p:], feats[-p:], one))
+                if r >= warmup:
+                    times[p].append(s)
+        return times
+
+    @torch.no_grad()
+    def decode(self, prompt: list[int], cfg: TreeConfig, max_new_tokens: int) -> "Run":
+        """A real greedy decode with this tree (AR: none), the library's loop and round runner, every round
+        timed; stops after EOS (counted, as SpeculativeGenerator counts it)."""
+        gen = self.gen
+        if cfg.drafts:
+            gen.tree = cfg
+        drafter = gen.drafter if cfg.drafts else None
+        rule = AcceptanceRule()
+        # The generator's own reusable runner (a captured CUDA graph on GPUs), as generate() decodes.
+        runner = gen._runner(drafter, rule) if hasattr(gen, "_runner") else None
+        stats = DecodeStats()
+        ids = torch.tensor(prompt, device=self.dev)
+        tokens: list[int] = []
+        marks = [time.perf_counter()]
+        for new in decode(gen.target, drafter, ids, max_new_tokens, gen.tree, rule, None, stats, runner):
+            marks.append(time.perf_counter())
+            for tok in new:
+                tokens.append(tok)
+                if tok in gen.eos_ids:
+                    break
+            if tokens and tokens[-1] in gen.eos_ids:
+                break
+        gaps = [b - a for a, b in zip(marks, marks[1:])]
+        return Run(tokens, stats.target_forwards, marks[-1] - marks[0], gaps[0], gaps[1:])
+
+    @torch.no_grad()
+    def continuation(self, prompt: list[int], run: "Run") -> torch.Tensor:
+        """The target's features over prompt + the run's tokens but the last (what the head reads)."""
+        seq = torch.tensor(prompt + run.tokens[:-1], device=self.dev)
+        self.target.allocate(seq.shape[0] + 8)
+        return self.target.prefill(seq)
+
+    @torch.no_grad()
+    def replay(self, prompt: list[int], cont: list[int], feats: torch.Tensor, configs: Sequence[TreeConfig],
+               step_times: dict[int, list[float]], build_times: dict[TreeConfig, list[float]]
+               ) -> dict[TreeConfig, list[int]]:
+        """Accepted drafts of every tree at every position of the continuation (see the module doc)."""
+        d, L = self.drafter, len(prompt)
+        c = torch.tensor(cont, device=self.dev)
+        p = torch.tensor(prompt, device=self.dev)
+        dmax = max(cfg.depth for cfg in configs)
+        kmax = max(cfg.top_k for cfg in configs)
+        d.allocate(L + len(cont) + 8, TreeConfig(total_tokens=2, depth=dmax, top_k=kmax))
+        root = d.prefill(torch.cat([p, c[:1]]), feats[:L])
+        by_k: dict[int, list[TreeConfig]] = {}
+        for cfg in sorted(configs, key=lambda x: -x.depth):  # deepest first: it computes every level
+            by_k.setdefault(cfg.top_k, []).append(cfg)
+        accepts = {cfg: [] for cfg in configs}
+        one = torch.ones((), dtype=torch.long, device=self.dev)
+        for t in range(len(cont) - 1):
+            for k, group in by_k.items():
+                shared = SharedSteps(d, self.sync, step_times.setdefault(k, []))
+                for cfg in group:
+                    before = len(shared.times)
+                    self.sync()
+                    start = time.perf_counter()
+                    tree = draft_tree(shared, c[t], root.logits, root.state, cfg)
+                    self.sync()
+                    build_times.setdefault(cfg, []).append(time.perf_counter() - start - sum(shared.times[before:]))
+                    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+                    accepts[cfg].append(accepted_drafts(tokens, parents, cont[t + 1: t + 1 + cfg.depth]))
+            root = d.commit(c[t + 1: t + 2], feats[L + t: L + t + 1], one)
+        return accepts
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+def held_out_prompts(n: int) -> list[tuple[str, str]]:
+    """(source, user message): MT-bench first turns (one per category, in turn) and GSM8K test questions,
+    alternating; neither was in the head's training data."""
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from eval.tasks import gsm8k_prompt, load_gsm8k, load_mt_bench
+
+    mt = load_mt_bench()
+    by_cat: dict[str, list] = {}
+    for q in mt:
+        by_cat.setdefault(q.category, []).append(q)
+    mt_order = [qs[i] for i in range(10) for qs in by_cat.values() if i < len(qs)]
+    gsm = load_gsm8k("test", limit=n)
+    out = []
+    for i in range(n):
+        out.append((f"mt_bench/{mt_order[i // 2].question_id}", mt_order[i // 2].turns[0]) if i % 2 == 0
+                   else (f"gsm8k_test/{gsm[i // 2].index}", gsm8k_prompt(gsm[i // 2])))
+    return out
+
+
+def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, max_new_tokens: int = 64,
+         validate: int = 4, finalists: int = 3, prune_after: int = 2, keep_frac: float = 0.8, repeats: int = 3,
+         warmup: int = 1, cost_prefix: Sequence[int] | None = None, log: Callable[[str], None] = _log) -> dict:
+    """Measure, model and validate (module doc); returns the preset entry {"tree": ..., "measured": ...}
+    ("measured" without the run's description: date, device, command; the caller adds them)."""
+    start = time.perf_counter()
+    tuner = Tuner(gen, log)
+    configs = list(dict.fromkeys(configs))
+    prefix = list(cost_prefix) if cost_prefix is not None else [t for p in prompts for t in p][:200]
+    sizes = sorted(set(COST_SIZES) | {max(c.total_tokens for c in configs), DEFAULT_TREE.total_tokens})
+    target_samples: dict[int, list[float]] = {n: [] for n in sizes}
+    commit_samples: dict[int, list[float]] = {2: [], 8: []}
+
+    def sample_costs(reps: int, warm: int) -> None:  # a sweep now and then: samples see the run's load
+        for n, v in tuner.target_costs(prefix, sizes, reps, warm).items():
+            target_samples[n] += v
+        for n, v in tuner.commit_costs(prefix, tuple(commit_samples), reps, warm).items():
+            commit_samples[n] += v
+
+    sample_costs(repeats, warmup)
+    # Autoregressive references: the continuation every tree is verified against, and the AR round cost.
+    refs = []
+    for i, prompt in enumerate(prompts):
+        refs.append(tuner.decode(prompt, AR, max_new_tokens))
+        log(f"AR reference {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens, "
+            f"{len(refs[-1].tokens) / refs[-1].elapsed_s:.2f} tok/s")
+    ar_round = statistics.median([s for r in refs for s in r.round_s] or [0.0])
+    step_times: dict[int, list[float]] = {}
+    build_times: dict[TreeConfig, list[float]] = {}
+    costs = Costs({}, {}, {})
+
+    def refresh_costs() -> None:
+        med = lambda d: {k: statistics.median(v) for k, v in d.items() if v}  # noqa: E731
+        costs.target_s, costs.commit_s, costs.step_s = med(target_samples), med(commit_samples), med(step_times)
+        costs.build_s = med(build_times)
+        costs.rest_s = max(0.0, ar_round - costs.target_s[1])
+
+    # Acceptance by replay; trees predicted far behind the best stop being drafted.
+    runs: dict[TreeConfig, list[Replayed]] = {c: [] for c in configs}
+    alive = set(configs)
+    for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+        feats = tuner.continuation(prompt, ref)
+        accepts = tuner.replay(prompt, ref.tokens, feats, sorted(alive, key=label), step_times, build_times)
+        for cfg, acc in accepts.items():
+            runs[cfg].append(Replayed(*walk(acc, len(ref.tokens)), ref.prefill_s))
+        sample_costs(1, 0)
+        refresh_costs()
+        pred = {c: predict(costs, c, runs[c])[1] for c in alive}
+        best = max(pred, key=pred.get)
+        if i + 1 >= prune_after and i + 1 < len(prompts):
+            alive = prune(pred, keep_frac, finalists + 2)
+        log(f"replayed {i + 1}/{len(prompts)}: best {label(best)} ({pred[best]:.2f} tok/s predicted), "
+            f"{len(alive)} trees still drafted")
+    complete = [c for c in configs if len(runs[c]) == len(prompts)]
+    table = {c: predict(costs, c, runs[c]) for c in complete}
+    ranked = sorted(complete, key=lambda c: table[c][1], reverse=True)
+
+    # Validation: real decoding of the finalists and the baselines, back to back per prompt.
+    trial = list(dict.fromkeys([AR, *ranked[:finalists], DEFAULT_TREE]))
+    vprompts = list(prompts[:validate])
+    measured: dict[TreeConfig, list[Run]] = {c: [] for c in trial}
+    for i, prompt in enumerate(vprompts):
+        for cfg in trial[i % len(trial):] + trial[: i % len(trial)]:  # rotate who goes first
+            measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens))
+        log(f"validated prompt {i + 1}/{len(vprompts)}")
+    rows = []
+    for cfg in trial:
+        done, ar = measured[cfg], measured[AR]
+        new = sum(len(r.tokens) for r in done)
+        row = {"tree": cfg, "tau": new / sum(r.forwards for r in done),
+               "tokens_per_s": new / sum(r.elapsed_s for r in done),
+               "steady_tokens_per_s": new / sum(r.steady_s for r in done),
+               "speedup_vs_ar": statistics.median(len(r.tokens) / r.steady_s / (len(a.tokens) / a.steady_s)
+                                                  for r, a in zip(done, ar))}
+        replayed = runs.get(cfg, [])[: len(vprompts)]
+        if len(replayed) == len(vprompts):
+            row["replay_tau"], row["predicted_tokens_per_s"] = predict(costs, cfg, replayed)
+        elif not cfg.drafts or cfg.top_k in costs.step_s:  # the model on this tree's measured tau
+            row["predicted_tokens_per_s"] = predict(costs, cfg, [Replayed(len(r.tokens), r.forwards, r.prefill_s)
+                                                                 for r in done])[1]
+        rows.append(row)
+    choice = pick(rows)
+    errors = [abs(r["predicted_tokens_per_s"] / r["steady_tokens_per_s"] - 1) for r in rows
+              if "predicted_tokens_per_s" in r]
+    by_tree = {r["tree"]: r for r in rows}
+    fmt = lambda r: {k: (label(v) if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
+    entry = {
+        "tuned": True,
+        "tokens_per_s": round(choice["tokens_per_s"], 3),
+        "steady_tokens_per_s": round(choice["steady_tokens_per_s"], 3),
+        "tau": round(choice["tau"], 3),
+        "speedup_vs_ar": round(choice["speedup_vs_ar"], 3),
+        "ar": fmt({k: v for k, v in by_tree[AR].items() if k != "tree"}),
+        "eagle2_default": fmt(by_tree[DEFAULT_TREE]),
+        "validation": f"first {len(vprompts)} prompts, {max_new_tokens} new tokens, greedy, every tree decoded once "
+                      "per prompt, back to back; steady = rounds at their median time (spikes of load elsewhere "
+                      "removed); chosen: the drafting tree with the best steady tokens/s; speedup_vs_ar: median "
+                      "over prompts",
+        "finalists": [fmt(r) for r in rows],
+        "model_error_vs_steady": {"median": round(statistics.median(errors), 3) if errors else None,
+                                  "max": round(max(errors), 3) if errors else None},
+        "replay": {
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "trees": len(configs), "kept_to_the_end": len(complete),
+            "top": [{"tree": label(c), "tau": round(table[c][0], 3), "predicted_tokens_per_s": round(table[c][1], 3)}
+                    for c in ranked[:12]],
+        },
+        "costs_ms": costs.to_ms(),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if not choice["steady_tokens_per_s"] > by_tree[AR]["steady_tokens_per_s"]:
+        entry["warning"] = "no drafting tree beat autoregressive decoding on this device"
+    return {"tree": tree_dict(choice["tree"]), "measured": entry}
+
+
+def device_description(device: torch.device, threads: int) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"cpu: {name}, {os.cpu_count()} cores, {threads} torch thread(s), load average {load:.1f} at start"
+
+
+def write_preset(path: Path, model: str, device_type: str, entry: dict) -> None:
+    """Set table[model][device_type] = entry in the presets file (created if absent), keeping the rest."""
+    table = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    table.setdefault(model, {})[device_type] = entry
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trees.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
+    p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="presets file to update (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="print the entry, do not write it")
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts (MT-bench / GSM8K test, alternating)")
+    p.add_argument("--validate", type=int, default=4, help="prompts decoded for real to validate and choose")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--finalists", type=int, default=3)
+    p.add_argument("--prune-after", type=int, default=2, help="prompts replayed with the whole grid")
+    p.add_argument("--keep", type=float, default=0.8, help="keep drafting trees predicted >= this x the best")
+    p.add_argument("--totals", type=_ints, default=GRID_TOTALS)
+    p.add_argument("--depths", type=_ints, default=GRID_DEPTHS)
+    p.add_argument("--top-ks", type=_ints, default=GRID_TOP_KS)
+    p.add_argument("--repeats", type=int, default=3, help="timed cost sweeps at the start (one more per prompt)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores that the load average leaves idle, at least 1)")
+    a = p.parse_args(argv)
+
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = a.threads or max(1, min(cores, cores - math.ceil(load - 0.5)))
+    torch.set_num_threads(threads)
+
+    from transformers.utils import logging as hf_logging
+
+    from fsd_eagle.api import SpeculativeGenerator
+    from fsd_eagle.trees_presets import model_name
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, tree=DEFAULT_TREE)
+    name = model_name(gen.target.model.config)
+    texts = held_out_prompts(a.prompts)
+    prompts = [gen.encode(text) for _, text in texts]
+    configs = candidate_grid(a.totals, a.depths, a.top_ks)
+    _log(f"{name} on {a.device} ({threads} thread(s)): {len(configs)} trees, {len(prompts)} prompts")
+    entry = tune(gen, prompts, configs, max_new_tokens=a.max_new_tokens, validate=a.validate,
+                 finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats)
+    m = entry["measured"]
+    described = {"date": datetime.date.today().isoformat(),
+                 "device": device_description(gen.target.device, threads),
+                 "dtype": str(gen.target.dtype).replace("torch.", ""),
+                 "command": "python -m trees.tune " + " ".join(sys.argv[1:] if argv is None else argv),
+                 "head": str(a.head) if a.head else "shipped head",
+                 "prompts": [src for src, _ in texts],
+                 "grid": {"total_tokens": list(a.totals), "depth": list(a.depths), "top_k": list(a.top_ks)}}
+    entry["measured"] = {"tuned": m.pop("tuned"), **described, **m}
+    print(json.dumps({name: {a.device: entry}}, indent=2))
+    if not a.dry_run:
+        write_preset(a.out, name, a.device, entry)
+        _log(f"wrote {name}/{a.device} = {label(TreeConfig(**entry['tree']))} to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
