@@ -91,10 +91,15 @@ def root_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     return torch.where(path < tree.size, path, node)
 
 
-def deepest_accepted(tree: DraftTree, ok: torch.Tensor) -> torch.Tensor:
-    """The deepest node whose whole root path is ``ok`` (on ties the first, i.e. the best-scored)."""
+def deepest_accepted(tree: DraftTree, ok: torch.Tensor, exact_ok: torch.Tensor | None = None) -> torch.Tensor:
+    """The deepest node whose whole root path is ``ok``. Ties go to the path with the most exactly accepted
+    nodes (``exact_ok``: fuzzy acceptance must not replace the target's own choice for no gain), then to the
+    first node, i.e. the best-scored."""
     accepted = ~(tree.anc & ~ok.unsqueeze(0)).any(dim=1)
-    return torch.argmax(torch.where(accepted, tree.depths, -1))
+    key = tree.depths * (tree.max_depth + 2)
+    if exact_ok is not None:
+        key = key + (tree.anc & exact_ok.unsqueeze(0)).sum(dim=1)
+    return torch.argmax(torch.where(accepted, key, -1))
 
 
 def _accept_greedy(tree, logits, fuzzy_ok, rule, generator):
@@ -105,7 +110,7 @@ def _accept_greedy(tree, logits, fuzzy_ok, rule, generator):
     exact_ok = (tree.tokens == argmax[tree.parents]) | is_root
     fuzzy_ok = fuzzy_ok | is_root
     ok = fuzzy_ok if rule.fuzzy.mode == "pure" else exact_ok | fuzzy_ok
-    best = deepest_accepted(tree, ok)
+    best = deepest_accepted(tree, ok, exact_ok)
     exact_len = pick(tree.depths, deepest_accepted(tree, exact_ok)) + 1
     return root_path(tree, best), pick(tree.depths, best) + 1, pick(argmax, best), exact_len
 

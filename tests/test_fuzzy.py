@@ -558,3 +558,21 @@ def test_fuzzy_stats_in_result(target_model):
     some = gen.generate(ids, 16, fuzzy=FuzzyConfig(threshold=1.0, divergence="tv")).to_dict()
     assert some["fuzzy_accepted"] > 0  # tv <= 1 always, so T = 1 accepts every top child
     assert {"text", "new_tokens", "target_forwards", "tau", "tokens_per_s", "fuzzy_accepted"} <= set(fuzzy)
+
+
+def test_fuzzy_never_replaces_the_exact_choice_for_no_gain():
+    """Root with two leaf children: the draft's top child (a) and the target's argmax (b). Both reach depth
+    1 under a huge T, so the exact child must win the tie (the output stays the target's own)."""
+    vocab = 8
+    tokens = torch.tensor([0, 3, 5])  # root, a = 3 (top draft child), b = 5 (target argmax)
+    q = torch.full((1, vocab), -10.0)
+    q[0, 3], q[0, 5] = 5.0, 4.0
+    tree = DraftTree(tokens=tokens, parents=torch.tensor([0, 0, 0]), depths=torch.tensor([0, 1, 1]),
+                     anc=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
+                     scores=torch.tensor([0.0, -0.1, -1.0]), q_logits=q, q_row=torch.tensor([0, -1, -1]), max_depth=1)
+    logits = torch.zeros(3, vocab)
+    logits[0, 5] = 3.0  # the target prefers b at the root
+    logits[1, 1] = logits[2, 2] = 3.0  # bonus tokens after a (1) and after b (2)
+    v = verify_tree(tree, logits, AcceptanceRule(fuzzy=FuzzyConfig(threshold=math.inf)))
+    assert int(v.n_accepted) == 2 and v.path.tolist()[:2] == [0, 2]
+    assert int(v.bonus) == 2 and int(v.fuzzy_extra) == 0
