@@ -411,7 +411,7 @@ def plot_accuracy_vs_speed(results: dict, path: Path | str) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results["rows"] if r.get("tokens_per_s") is not None]
+    rows = [r for r in results["rows"] if _concurrent_tps(r) is not None]
     tasks = [t for t in TASKS if any(r.get(ACC_KEYS[t]) is not None for r in rows)]
     panels = [(ACC_KEYS[t], TASK_TITLES[t] + " (%)", 100.0) for t in tasks]
     if any(r.get("agreement") is not None for r in rows):
@@ -427,28 +427,28 @@ def plot_accuracy_vs_speed(results: dict, path: Path | str) -> Path | None:
             se = r.get(key + "_se")
             err = None if se is None else scale * se
             if r["method"] == "ar":
-                ax.errorbar(r["tokens_per_s"], scale * r[key], yerr=err, fmt="*", ms=14, color="black",
+                ax.errorbar(_concurrent_tps(r), scale * r[key], yerr=err, fmt="*", ms=14, color="black",
                             label="AR", zorder=5)
             elif r["method"] == "eagle2":
-                ax.errorbar(r["tokens_per_s"], scale * r[key], yerr=err, fmt="D", ms=9, color="tab:red",
+                ax.errorbar(_concurrent_tps(r), scale * r[key], yerr=err, fmt="D", ms=9, color="tab:red",
                             label="EAGLE-2 (exact, T=0)", zorder=5)
             else:
                 by_div[r["divergence"]].append(r)
         for div, rs in sorted(by_div.items()):
             rs.sort(key=lambda r: threshold_from_json(r["threshold"]))
-            xs = [r["tokens_per_s"] for r in rs]
+            xs = [_concurrent_tps(r) for r in rs]
             ys = [scale * r[key] for r in rs]
             errs = [scale * (r.get(key + "_se") or 0.0) for r in rs]
             ax.errorbar(xs, ys, yerr=errs, fmt="o-", ms=5, capsize=2, label=f"FSD {div}")
             for x, y, r in zip(xs, ys, rs):
                 ax.annotate(format_threshold(threshold_from_json(r["threshold"])), (x, y), fontsize=7,
                             textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel("tokens / s")
+        ax.set_xlabel("tokens / s (the sweep's own, one source for all points)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     meta = results.get("meta", {})
-    source = rows[0].get("speed_source", "") if rows else ""
+    source = concurrent_source(meta)
     fig.suptitle(f"{meta.get('settings', {}).get('target', '')} on {meta.get('device', '')}\nspeed: {source}",
                  fontsize=8)
     fig.tight_layout()
