@@ -94,6 +94,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a local transformers folder, or the default model when path is None."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = default_target_path() if path is None else Path(path)
@@ -102,7 +103,7 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise ModelLoadError(f"cannot load the model at {folder}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval(), tokenizer
 

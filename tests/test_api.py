@@ -390,7 +390,6 @@ def test_load_target_without_tokenizer(saved, tmp_path, model):
     one_line_error(info)
 
 
-@pytest.mark.xfail(strict=True, reason="models.load_target lets safetensors' SafetensorError through")
 def test_load_target_with_corrupt_weights(saved, tmp_path):
     folder = copy_folder(saved / "target", tmp_path / "corrupt")
     (folder / "model.safetensors").write_bytes(b"garbage" * 10)

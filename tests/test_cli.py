@@ -254,8 +254,7 @@ BAD_CASES = ["empty prompt", "blank prompt", "max-new-tokens 0", "max-new-tokens
              "threshold -1", "threshold abc", "threshold nan", "divergence foo", "fuzzy-mode bad",
              "support-top-k -1", "temperature -1", "top-p 0", "tree-top-k 0", "depth 0", "missing target",
              "target without config", "missing head", "head is the target", "device cuda",
-             pytest.param("corrupt target weights", marks=pytest.mark.xfail(
-                 strict=True, reason="models.load_target lets safetensors' SafetensorError through"))]
+             "corrupt target weights"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
