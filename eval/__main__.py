@@ -23,6 +23,8 @@ from fsd_eagle.errors import FSDError
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
+    p.add_argument("--draft-model", help="a small causal LM folder sharing the target's tokenizer, drafting "
+                                         "instead of a head (classic SD; e.g. with --tree-top-k 1 --depth 5)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--workers", type=int, default=1,
@@ -92,7 +94,8 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
     tree = {k: v for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k))
             if v is not None}
     run_sweep(a.out, a.tasks, a.methods, a.divergences, parse_thresholds(a.thresholds), target=a.target,
-              head=a.head, device=a.device, dtype=a.dtype, limit=parse_limits(a.limits), workers=a.workers,
+              head=a.head, draft_model=getattr(a, "draft_model", None), device=a.device, dtype=a.dtype,
+              limit=parse_limits(a.limits), workers=a.workers,
               max_new_tokens=parse_max_new_tokens(a.max_new_tokens), seed=a.seed, fuzzy_mode=a.fuzzy_mode,
               tree=tree or None, humaneval_timeout_s=a.humaneval_timeout, command=_command_line(argv),
               progress=not a.no_progress, threads=a.threads)

@@ -309,8 +309,8 @@ def _init_worker(opts: dict) -> None:
         torch.set_num_threads(threads)
     torch.manual_seed(opts["seed"])
     _quiet_transformers()
-    gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], device=opts["device"],
-                                    dtype=opts["dtype"])
+    gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], draft_model=opts.get("draft_model"),
+                                    device=opts["device"], dtype=opts["dtype"])
     base = preset_tree(gen.target)
     tree = opts.get("tree") or {}
 
@@ -322,7 +322,8 @@ def _init_worker(opts: dict) -> None:
     gen._check_tree(gen.tree)
     needs_drafter = any(c["method"] != "ar" for c in opts["configs"])
     if needs_drafter and gen.drafter is None:
-        raise ConfigError("methods eagle2 and fsd need a draft head: pass --head (the default model has one)")
+        raise ConfigError("methods eagle2 and fsd need a drafter: pass --head or --draft-model "
+                          "(the default model has a head)")
     if opts.get("warmup", True):  # first calls pay for kernel selection, allocation and (on GPUs) CUDA-graph
         gen.generate("Hello", 4, autoregressive=True)  # capture: keep them out of the timed jobs
         if gen.drafter is not None:
@@ -464,7 +465,8 @@ def _git_commit() -> str | None:
 def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[str] = METHODS,
               divergences: Sequence[str] = DEFAULT_DIVERGENCES,
               thresholds: Sequence[float] | dict[str, Sequence[float]] = DEFAULT_THRESHOLDS,
-              *, target: str | None = None, head: str | None = None, device: str | None = None,
+              *, target: str | None = None, head: str | None = None, draft_model: str | None = None,
+              device: str | None = None,
               dtype: str | None = None, limit: int | dict[str, int | None] | None = None, workers: int = 1,
               max_new_tokens: dict[str, int] | None = None, seed: int = 0, fuzzy_mode: str = "hybrid",
               tree: dict | None = None, humaneval_timeout_s: float = HUMANEVAL_TIMEOUT_S,
@@ -491,6 +493,7 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
     out = Path(out)
     store = ResultStore(out)
     settings = {"target": str(target) if target else "default", "head": str(head) if head else "default",
+                **({"draft_model": str(draft_model)} if draft_model else {}),
                 "dtype": str(dt).replace("torch.", ""), "tree": tree or "preset", "fuzzy_mode": fuzzy_mode,
                 "max_new_tokens": {t: limits[t] for t in TASKS}, "seed": seed}
     store.check_settings(settings)
@@ -507,7 +510,8 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
                 jobs.append({"config": c.to_json(), "key": c.key, "task": t, "qid": q.qid, "prompt": q.prompt,
                              "payload": q.payload, "max_new_tokens": limits[t]})
     cpu = os.cpu_count() or 1
-    opts = {"target": str(target) if target else None, "head": str(head) if head else None, "device": device,
+    opts = {"target": str(target) if target else None, "head": str(head) if head else None,
+            "draft_model": str(draft_model) if draft_model else None, "device": device,
             "dtype": dtype, "seed": seed, "fuzzy_mode": fuzzy_mode, "tree": tree or {},
             "configs": [c.to_json() for c in configs], "humaneval_timeout_s": humaneval_timeout_s,
             "threads": threads if threads else (None if workers == 1 else

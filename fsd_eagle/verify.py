@@ -57,9 +57,10 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, rule: AcceptanceRu
     n, dev = tree.size, target_logits.device
     if rule.fuzzy.active and tree.q_logits is not None:
         div = node_divergences(tree, target_logits, rule)
-    else:
+        fuzzy_ok = (div[tree.parents] <= rule.fuzzy.threshold) & top_children(tree)
+    else:  # the exact rule: no divergence work in the loop
         div = torch.full((n,), float("inf"), device=dev)
-    fuzzy_ok = (div[tree.parents] <= rule.fuzzy.threshold) & top_children(tree)
+        fuzzy_ok = torch.zeros(n, dtype=torch.bool, device=dev)
     accept = _accept_greedy if rule.sampling.greedy else _accept_sampling
     path, n_acc, bonus, exact_len = accept(tree, target_logits, fuzzy_ok, rule, generator)
     decided = (torch.arange(path.shape[0], device=dev) < n_acc) & torch.isfinite(div[path])

@@ -410,3 +410,16 @@ def test_build_results_without_records(tmp_path):
 
     with pytest.raises(InputError):
         build_results(tmp_path)
+
+
+def test_sweep_with_a_draft_model(folders, tmp_path):
+    """Classic SD versus FSD on a user's (target, draft model) pair: the target drafting for itself accepts
+    whole chains, and exact SD agrees with AR token for token (fp32, CPU)."""
+    out = tmp_path / "sd"
+    results = run_sweep(out, ["gsm8k"], ["ar", "eagle2", "fsd"], ["kl"], {"kl": [1.0]},
+                        target=str(folders / "target"), draft_model=str(folders / "target"), device="cpu",
+                        dtype="float32", limit=2, max_new_tokens={"gsm8k": 12}, progress=False,
+                        tree={"total_tokens": 5, "depth": 4, "top_k": 1})
+    rows = {r["method"]: r for r in results["rows"]}
+    assert json.loads((out / "settings.json").read_text())["draft_model"] == str(folders / "target")
+    assert rows["eagle2"]["tau"] > 2.0 and rows["eagle2"]["agreement"] == 1.0
