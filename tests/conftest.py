@@ -13,7 +13,7 @@ import torch
 # (measured 10-100x slower with 2 threads on a busy 2-core machine).
 torch.set_num_threads(1)
 
-ARCHS = ("llama", "qwen2", "gemma3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 
 def tiny_config(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2,
@@ -22,7 +22,7 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int 
     tokens on layer 0, full attention on layer 1, final logit soft-capping; untied embeddings, as tied
     random ones make greedy decoding repeat the last token), mistral (a sliding window of 6 tokens on every
     layer, set by ``sliding_window`` alone, without ``layer_types``)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
@@ -33,6 +33,9 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int 
     elif arch == "qwen2":
         kwargs = dict(common)
         cls = Qwen2Config
+    elif arch == "qwen3":  # q/k norms, explicit head_dim
+        kwargs = dict(common, head_dim=hidden_size // 4)
+        cls = Qwen3Config
     elif arch == "gemma3":
         head_dim = hidden_size // 4
         kinds = ["sliding_attention", "full_attention"]
@@ -51,10 +54,11 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int 
 
 def tiny_model(arch: str = "llama", *, seed: int = 0, **config_kwargs):
     """A randomly initialized fp32 causal LM of ``arch`` in eval mode (deterministic given ``seed``)."""
-    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    from transformers import (Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                              Qwen3ForCausalLM)
 
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma3": Gemma3ForCausalLM,
-           "mistral": MistralForCausalLM}[arch]
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+           "gemma3": Gemma3ForCausalLM, "mistral": MistralForCausalLM}[arch]
     config = tiny_config(arch, **config_kwargs)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -80,7 +80,7 @@ def cached_model(arch: str):
     return tiny_model(arch)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def arch_model(request):
     return request.param, cached_model(request.param)
 
@@ -89,7 +89,7 @@ def arch_model(request):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "mistral"])
 def test_target_logits_match_the_models_own_forward(arch):
     """Target.prefill / forward_tree (tree masks, positions, slot cache, sliding window, soft-capping) give
     the logits of the model's default forward over prefix + root path, also after a commit."""
