@@ -301,8 +301,6 @@ def _init_worker(opts: dict) -> None:
 
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.cli import _quiet_transformers
-    from fsd_eagle.config import TreeConfig
-    from fsd_eagle.trees_presets import preset_tree
 
     threads = opts.get("threads")
     if threads:
@@ -311,15 +309,8 @@ def _init_worker(opts: dict) -> None:
     _quiet_transformers()
     gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], draft_model=opts.get("draft_model"),
                                     device=opts["device"], dtype=opts["dtype"])
-    base = preset_tree(gen.target)
-    tree = opts.get("tree") or {}
-
-    def pick(name: str) -> int:  # an explicit --total-tokens / --depth / --tree-top-k beats the preset
-        value = tree.get(name)
-        return getattr(base, name) if value is None else value
-
-    gen.tree = TreeConfig(total_tokens=pick("total_tokens"), depth=pick("depth"), top_k=pick("top_k"))
-    gen._check_tree(gen.tree)
+    tree = opts.get("tree") or {}  # explicit --total-tokens / --depth / --tree-top-k beat the preset
+    gen.set_tree(tree.get("total_tokens"), tree.get("depth"), tree.get("top_k"))
     needs_drafter = any(c["method"] != "ar" for c in opts["configs"])
     if needs_drafter and gen.drafter is None:
         raise ConfigError("methods eagle2 and fsd need a drafter: pass --head or --draft-model "

@@ -11,7 +11,7 @@ import torch
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
-from .errors import ConfigError, InputError
+from .errors import ConfigError, HeadMismatchError, InputError
 from .head import EagleHead, HeadConfig
 from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
 from .target import Target
@@ -68,7 +68,6 @@ class SpeculativeGenerator:
             self.drafter = EagleDrafter(head, self.target)
         elif draft_model is not None:
             if draft_model.get_output_embeddings().weight.shape[0] != self.target.vocab_size:
-                from .errors import HeadMismatchError
                 raise HeadMismatchError("the draft model's vocabulary differs from the target's")
             self.drafter = ModelDrafter(Target(draft_model))
         self._check_tree(tree)
@@ -83,6 +82,8 @@ class SpeculativeGenerator:
              random_head: bool = False) -> "SpeculativeGenerator":
         """Load a local target folder (default: SmolLM2-135M-Instruct) with ``head`` (default: the shipped
         head of the default target), or a ``draft_model`` folder; ``random_head`` builds an untrained head."""
+        if head is not None and draft_model is not None:
+            raise ConfigError("use either a draft head or a draft model, not both")
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         model, tokenizer = load_target(target, dev, dt)
@@ -93,10 +94,22 @@ class SpeculativeGenerator:
         elif random_head or (target is None and draft_model is None):
             head_module = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(dev, dt).eval()
         draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
+        gen = cls(model, tokenizer, head_module, draft, tree or TreeConfig())
         if tree is None:  # the tuned preset for this target and device type (trees/presets.json), else defaults
-            from .trees_presets import preset_tree
-            tree = preset_tree(Target(model))
-        return cls(model, tokenizer, head_module, draft, tree)
+            gen.set_tree()
+        return gen
+
+    def set_tree(self, total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None) -> TreeConfig:
+        """Use the tuned preset for this target and device (trees/presets.json), with any value given here
+        overriding it; returns the tree now in use."""
+        from .trees_presets import preset_tree
+
+        base = preset_tree(self.target)
+        tree = TreeConfig(total_tokens=base.total_tokens if total_tokens is None else total_tokens,
+                          depth=base.depth if depth is None else depth, top_k=base.top_k if top_k is None else top_k)
+        self._check_tree(tree)
+        self.tree = tree
+        return tree
 
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:

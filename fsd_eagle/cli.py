@@ -8,7 +8,7 @@ import os
 import runpy
 import sys
 
-from .config import FuzzyConfig, TreeConfig, parse_threshold
+from .config import FuzzyConfig, parse_threshold
 from .divergence import DIVERGENCES
 from .errors import FSDError
 
@@ -41,18 +41,13 @@ def _generate_parser(sub) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from .api import SpeculativeGenerator
-    from .trees_presets import preset_tree
 
     fuzzy = FuzzyConfig(threshold=parse_threshold(args.threshold), divergence=args.divergence,
                         mode=args.fuzzy_mode, support_top_k=args.support_top_k)
     _quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
-                                    device=args.device, dtype=args.dtype, tree=TreeConfig())
-    base = preset_tree(gen.target)
-    pick = lambda given, default: default if given is None else given  # noqa: E731 (0 must fail, not fall back)
-    gen.tree = TreeConfig(total_tokens=pick(args.total_tokens, base.total_tokens), depth=pick(args.depth, base.depth),
-                          top_k=pick(args.tree_top_k, base.top_k))
-    gen._check_tree(gen.tree)
+                                    device=args.device, dtype=args.dtype)
+    gen.set_tree(args.total_tokens, args.depth, args.tree_top_k)  # the preset, with explicit values winning
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,
                   autoregressive=args.autoregressive)
