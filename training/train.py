@@ -72,15 +72,26 @@ def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step
         rng["cuda"] = torch.cuda.get_rng_state(device)
     save_file(rng, tmp / "rng.safetensors")
     (tmp / "progress.json").write_text(json.dumps({"step": step, "epoch": epoch, "log": log}))
-    if ck.exists():
-        for f in ck.iterdir():
-            f.unlink()
-        ck.rmdir()
+    old = out / "checkpoint.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if ck.exists():  # keep the previous checkpoint until the new one is in place
+        ck.rename(old)
     tmp.rename(ck)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def checkpoint_dir(out: Path) -> Path | None:
+    """The newest complete checkpoint (a kill between save_checkpoint's two renames leaves only .old)."""
+    for name in ("checkpoint", "checkpoint.old"):
+        if (out / name / "progress.json").exists():
+            return out / name
+    return None
 
 
 def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> tuple[int, int, list]:
-    ck = out / "checkpoint"
+    ck = checkpoint_dir(out)
     head.load_state_dict(load_file(ck / "head.safetensors"))
     flat = load_file(ck / "optimizer.safetensors")
     sd = opt.state_dict()
@@ -116,7 +127,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     batches_per_epoch = len(make_batches(train_set, recipe.tokens_per_batch, recipe.seed))
     total = batches_per_epoch * recipe.epochs
     step, first_epoch, log = 0, 0, []
-    if resume and (out / "checkpoint").exists():
+    if resume and checkpoint_dir(out) is not None:
         step, first_epoch, log = load_checkpoint(out, head, opt)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     started, first_step = time.perf_counter(), step
