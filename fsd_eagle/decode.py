@@ -102,8 +102,8 @@ class RoundRunner:
         if use_graph is None:  # sampling draws from a per-call generator: graphs only for greedy rules
             use_graph = dev.type == "cuda" and rule.sampling.greedy
         self.use_graph = use_graph
-        self.graph = None
-        self.captured_for = None
+        self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # (graph, its output buffer)
+        self.captured_for: tuple = ()
 
     def start(self, root_token: torch.Tensor, root: DraftRoot | None) -> None:
         """Load the prefill's results into the persistent state."""
@@ -118,14 +118,16 @@ class RoundRunner:
     def __call__(self, generator: torch.Generator | None) -> torch.Tensor:
         if self.use_graph:
             caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
-            if self.graph is None or self.captured_for is None or any(a is not b for a, b in zip(caches, self.captured_for)):
+            if self.graph is None or any(a is not b for a, b in zip(caches, self.captured_for)):
+                # (Re)capture: first use, or a cache was reallocated (the graph holds its addresses).
                 self.graph = capture(lambda: run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, None),
                                      self._state_tensors())
                 self.captured_for = caches
                 self.use_graph = self.graph is not None
             if self.graph is not None:
-                self.graph.replay()
-                return self.graph.output
+                graph, output = self.graph
+                graph.replay()
+                return output
         return run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator)
 
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -136,18 +138,10 @@ class RoundRunner:
         return tensors
 
 
-class _Graph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
-        self.graph, self.output = graph, output
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-def capture(fn, state: list[torch.Tensor]) -> _Graph | None:
+def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
     """Capture ``fn`` (one round) in a CUDA graph. Warm-up runs on a side stream and ``state`` is restored
     after each, so capturing changes nothing (a round only writes cache rows past the committed prefix).
-    Returns None (eager fallback) if the round cannot be captured."""
+    Returns (graph, output buffer), or None (eager fallback) if the round cannot be captured."""
     saved = [t.clone() for t in state]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -167,7 +161,7 @@ def capture(fn, state: list[torch.Tensor]) -> _Graph | None:
             t.copy_(v)
         warnings.warn(f"CUDA graph capture failed, decoding eagerly: {str(e).splitlines()[0]}")
         return None
-    return _Graph(graph, out)
+    return graph, out
 
 
 def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor, max_new_tokens: int,
