@@ -145,14 +145,14 @@ def _set_speedups(rows: list[dict], source: str) -> None:
 # --------------------------------------------------------------------------------------------- speed hook
 
 
-_SPEED_NAME = re.compile(r"^(?:(?P<plain>ar|eagle2)|fsd_(?P<div>[a-z_]+?)_T(?P<t>[^_]+))(?:_(?P<variant>graph|eager))?$")
+_SPEED_NAME = re.compile(r"^(?:(?P<plain>ar|eagle2)|fsd_(?P<div>[a-z_]+?)_T(?P<t>[^_]+))(?:_(?P<variant>compiled|graph|eager))?$")
 
 
 def _speed_key(row: dict) -> tuple[str, int] | None:
     """(config key, preference) of a speed row, or None for a row that is no sweep config (``hf_generate``).
     Rows are ours (``method`` ar / eagle2 / fsd with ``divergence`` and ``threshold``, or ``config``) or
-    eval/speed.py's names: ``ar_graph``, ``eagle2_eager``, ``fsd_kl_T1.0_graph``; a CUDA-graph variant is
-    preferred over an eager one."""
+    eval/speed.py's names: ``ar_graph``, ``eagle2_eager``, ``fsd_kl_T1.0_compiled``; the fastest backend
+    is preferred: compiled, then CUDA graph, then eager."""
     if row.get("config"):
         return str(row["config"]), 0
     method = str(row.get("method", ""))
@@ -162,7 +162,7 @@ def _speed_key(row: dict) -> tuple[str, int] | None:
     m = _SPEED_NAME.match(method)
     if m is None:
         return None
-    rank = {"graph": 0, None: 1, "eager": 2}[m["variant"]]
+    rank = {"compiled": 0, "graph": 1, None: 2, "eager": 3}[m["variant"]]
     if m["plain"]:
         return m["plain"], rank
     try:

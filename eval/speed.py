@@ -53,9 +53,12 @@ def _summary(runs: list[float], device: torch.device) -> dict:
 
 
 def bench_method(gen, prompts, max_new_tokens: int, repeats: int, **kwargs) -> dict:
-    """Our decoder: warm-up on the longest prompt (largest cache, graph capture), then timed runs."""
+    """Our decoder: warm-up on the longest prompt (largest cache, graph capture, compilation; its time is
+    ``warmup_s``), then timed runs."""
     dev = gen.target.device
+    t = time.perf_counter()
     gen.generate(max(prompts, key=len), max_new_tokens, **kwargs)
+    warmup_s = time.perf_counter() - t
 
     def run_one(p):
         r = gen.generate(p, max_new_tokens, **kwargs)
@@ -63,7 +66,7 @@ def bench_method(gen, prompts, max_new_tokens: int, repeats: int, **kwargs) -> d
 
     runs, results = timed_runs(run_one, prompts, repeats, dev)
     tau = sum(r.stats.new_tokens for r in results) / sum(r.stats.target_forwards for r in results)
-    return {**_summary(runs, dev), "tau": tau, "outputs": [r.token_ids for r in results]}
+    return {**_summary(runs, dev), "tau": tau, "warmup_s": round(warmup_s, 2), "outputs": [r.token_ids for r in results]}
 
 
 def bench_hf(model, tokenizer, prompts, max_new_tokens: int, repeats: int) -> dict:
@@ -82,9 +85,11 @@ def bench_hf(model, tokenizer, prompts, max_new_tokens: int, repeats: int) -> di
     return {**_summary(runs, dev), "tau": 1.0}
 
 
-def stage_breakdown(gen, prompt: str, rounds: int = 20) -> dict:
-    """Mean milliseconds per round of each stage, eager, timed with CUDA events (one sync per stage)."""
-    from fsd_eagle.decode import _next_tokens
+def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -> dict:
+    """Mean milliseconds per round of each stage: draft tree, target forward (with the lm_head), verification,
+    commits (both KV caches and the drafter's root step). Each stage is captured as its own CUDA graph (after
+    torch.compile if ``compile``), the four replayed in turn as a round, timed with CUDA events."""
+    from fsd_eagle.decode import RoundState, _next_tokens
     from fsd_eagle.sampling import choose
     from fsd_eagle.tree import draft_tree
     from fsd_eagle.verify import AcceptanceRule, verify_tree
@@ -92,37 +97,68 @@ def stage_breakdown(gen, prompt: str, rounds: int = 20) -> dict:
     target, drafter, cfg, rule = gen.target, gen.drafter, gen.tree, AcceptanceRule()
     dev = target.device
     ids = torch.tensor(gen.encode(prompt), device=dev)
-    max_len = ids.shape[0] + (rounds + 2) * (cfg.depth + 1) + cfg.total_tokens + 8
+    max_len = ids.shape[0] + (rounds + 8) * (cfg.depth + 1) + cfg.total_tokens + 8
     target.allocate(max_len)
     drafter.allocate(max_len, cfg)
     f = target.prefill(ids)
     tok = choose(target.logits(f[-1:])[0], rule.sampling, None)
     root = drafter.prefill(torch.cat([ids, tok[None]]), f)
-    names = ["draft_tree", "target_forward", "verify", "commit_target", "commit_draft"]
-    sums = dict.fromkeys(names, 0.0)
+    st = RoundState(tok.clone(), root.logits.clone(), root.state.clone())
+    box: dict = {}
+
+    def draft():
+        box["tree"] = draft_tree(drafter, st.root_token, st.root_logits, st.root_state, cfg)
+
+    def forward():
+        tree = box["tree"]
+        box["f"] = target.forward_tree(tree.tokens, tree.depths, tree.anc)
+        box["logits"] = target.logits(box["f"])
+
+    def verify():
+        box["v"] = verify_tree(box["tree"], box["logits"], rule)
+
+    def commit():
+        v = box["v"]
+        target.commit(v.path, v.n_accepted)
+        nxt = _next_tokens(box["tree"], v)
+        r = drafter.commit(nxt, box["f"].index_select(0, v.path), v.n_accepted)
+        st.root_logits.copy_(r.logits)
+        st.root_state.copy_(r.state)
+        st.root_token.copy_(v.bonus)
+
+    stages = {"draft_tree": draft, "target_forward": forward, "verify": verify, "commit": commit}
+    if compile:
+        stages = {k: torch.compile(fn, dynamic=False) for k, fn in stages.items()}
+    state = [target.length, drafter.length, st.root_token, st.root_logits, st.root_state]
+    saved = [t.clone() for t in state]
+    for _ in range(2):  # warm-up (and compilation), then back to the start
+        for fn in stages.values():
+            fn()
+        for t, v in zip(state, saved):
+            t.copy_(v)
+    torch.cuda.synchronize(dev)
+    graphs = {}
+    for name, fn in stages.items():
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            fn()
+    sums = dict.fromkeys(stages, 0.0)
     for _ in range(rounds):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
         ev[0].record()
-        tree = draft_tree(drafter, tok, root.logits, root.state, cfg)
-        ev[1].record()
-        feats = target.forward_tree(tree.tokens, tree.depths, tree.anc)
-        logits = target.logits(feats)
-        ev[2].record()
-        verdict = verify_tree(tree, logits, rule)
-        ev[3].record()
-        target.commit(verdict.path, verdict.n_accepted)
-        nxt = _next_tokens(tree, verdict)
-        ev[4].record()
-        root = drafter.commit(nxt, feats.index_select(0, verdict.path), verdict.n_accepted)
-        tok = verdict.bonus
-        ev[5].record()
+        for i, g in enumerate(graphs.values()):
+            g.replay()
+            ev[i + 1].record()
         torch.cuda.synchronize(dev)
-        for i, n in enumerate(names):
+        for i, n in enumerate(stages):
             sums[n] += ev[i].elapsed_time(ev[i + 1])
-    return {n: round(v / rounds, 3) for n, v in sums.items()}
+    out = {n: round(v / rounds, 3) for n, v in sums.items()}
+    out["round"] = round(sum(out.values()), 3)
+    return out
 
 
-def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, rounds: int = 30) -> dict:
+def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, compile: bool = False,
+                       rounds: int = 30) -> dict:
     """Random-weight Llama-3-8B-shaped target + same-shape random head: ms per round (graph replay) for AR
     and for the default EAGLE-2 tree, and the speedup projected at ``tau`` (measured with the real head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -146,6 +182,7 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, rou
             return ""
 
     gen = SpeculativeGenerator(model, _Tok(), head)
+    gen.compile = compile
     prompt = list(range(100, 612))
     out = {}
     for name, ar in (("ar", True), ("eagle2", False)):
@@ -185,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--tree-top-k", type=int, default=10)
     p.add_argument("--skip-8b", action="store_true")
+    p.add_argument("--compile", action="store_true", help="also measure rounds compiled with torch.compile")
+    p.add_argument("--eager", action="store_true", help="also measure eager rounds (no CUDA graphs)")
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_speed.json"))
     a = p.parse_args(argv)
     tree = TreeConfig(a.total_tokens, a.depth, a.tree_top_k)
@@ -196,28 +235,35 @@ def main(argv: list[str] | None = None) -> int:
     partial = Path(a.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
     hf = bench_hf(gen.target.model, gen.tokenizer, prompts, a.max_new_tokens, max(1, a.repeats - 1))
-    rows.append({"method": "hf_generate", **hf})
-    methods = [("ar_graph", dict(autoregressive=True), True), ("ar_eager", dict(autoregressive=True), False),
-               ("eagle2_graph", {}, True), ("eagle2_eager", {}, False),
-               (f"fsd_{a.divergence}_T{a.threshold}_graph", dict(fuzzy=fuzzy), True)]
-    for name, kwargs, graphs in methods:
-        gen.cuda_graphs = graphs
-        rows.append({"method": name, **bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)})
-        partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], default=str))
-        print(name, round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
-    gen.cuda_graphs = True
-    ar_out = rows[1]["outputs"]
-    base_hf, base_ar = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
+    rows.append({"method": "hf_generate", "backend": "hf", **hf})
+    backends = (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else [])
+    fsd_name = f"fsd_{a.divergence}_T{a.threshold}"
+    for backend in backends:
+        gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
+        for name, kwargs in (("ar", dict(autoregressive=True)), ("eagle2", {}), (fsd_name, dict(fuzzy=fuzzy))):
+            row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)
+            rows.append({"method": f"{name}_{backend}", "backend": backend, **row})
+            partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], default=str))
+            print(rows[-1]["method"], round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
+    ar_rows = {r["backend"]: r for r in rows if r["method"].startswith("ar_")}
+    ar_out = ar_rows["graph"]["outputs"]
+    base_hf = rows[0]["tokens_per_s"]
     for row in rows:
         row["speedup_vs_hf"] = round(row["tokens_per_s"] / base_hf, 3)
-        row["speedup_vs_ar_graph"] = round(row["tokens_per_s"] / base_ar, 3)
+        base_ar = ar_rows.get(row["backend"], ar_rows["graph"])["tokens_per_s"]
+        row["speedup_vs_ar"] = round(row["tokens_per_s"] / base_ar, 3)  # our AR with the same backend
         outs = row.pop("outputs", None)
         if outs is not None:
             row["agreement_vs_ar"] = round(statistics.mean(token_agreement(x, y) for x, y in zip(outs, ar_out)), 4)
         row["tokens_per_s"] = round(row["tokens_per_s"], 2)
         row["tau"] = round(row["tau"], 3)
         row["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
-    extra = {"stage_ms_per_round_eager": stage_breakdown(gen, prompts[0]) if dev.type == "cuda" else None}
+    gen.cuda_graphs, gen.compile = True, a.compile
+    extra = {}
+    if dev.type == "cuda":
+        for backend in backends[-2:] if a.compile else ["graph"]:
+            extra[f"stage_ms_per_round_{backend}"] = stage_breakdown(gen, prompts[0], compile=backend == "compiled")
+            print(backend, extra[f"stage_ms_per_round_{backend}"], flush=True)
     # Peak memory at a 2048-token context: AR vs EAGLE-2 (graphs), prompt of 1900 tokens + 128 new.
     long_prompt = list(range(1000, 2900))
     mem = {}
@@ -228,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         mem[name] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
     extra["peak_mem_gb_2048_context"] = mem
     if not a.skip_8b and dev.type == "cuda":
-        extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, rows[3]["tau"])
+        tau = next(r["tau"] for r in rows if r["method"] == f"eagle2_{backends[-1]}")
+        extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, a.compile)
     result = {"rows": rows, **extra,
               "meta": {"date": date.today().isoformat(), "device": rows[0]["device"], "torch": torch.__version__,
                        "transformers": transformers.__version__, "dtype": a.dtype, "prompts": len(prompts),
@@ -238,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for row in rows:
         print(f"{row['method']:28s} {row['tokens_per_s']:9.1f} tok/s  x{row['speedup_vs_hf']:.2f} vs HF  "
-              f"x{row['speedup_vs_ar_graph']:.2f} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  agree {row.get('agreement_vs_ar')}")
+              f"x{row['speedup_vs_ar']:.2f} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  agree {row.get('agreement_vs_ar')}")
     print(json.dumps(extra))
     return 0
 

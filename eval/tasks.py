@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fsd_eagle.errors import InputError
+from fsd_eagle.jsonl import read_json_lines
 
 from .metrics import gsm8k_reference
 
@@ -120,27 +121,6 @@ def _check_limit(limit: int | None) -> None:
         raise InputError(f"limit must be a non-negative integer or None, got {limit!r}")
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-blank line of a JSON-lines file (.gz allowed)."""
-    if not path.is_file():
-        raise InputError(f"benchmark data file not found: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise InputError(f"{path}, line {number}: expected a JSON object")
-                yield number, obj
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {path}: {e}") from None
-
-
 def _field(obj: dict[str, Any], key: str, kind: type, path: Path, number: int) -> Any:
     value = obj.get(key)
     if not isinstance(value, kind) or isinstance(value, bool):
@@ -169,12 +149,12 @@ def _reference(obj: dict[str, Any], path: Path, number: int) -> list[str | list[
 
 
 def _records(path: Path, limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """_read_jsonl, stopping after ``limit`` objects without reading further lines."""
+    """read_json_lines, stopping after ``limit`` objects without reading further lines."""
     _check_limit(limit)
     if limit == 0:
         return
     count = 0
-    for item in _read_jsonl(path):
+    for item in read_json_lines(path, "benchmark data"):
         yield item
         count += 1
         if limit is not None and count >= limit:
@@ -271,7 +251,7 @@ def load_mmlu(limit: int | None = None, data_dir: Path | str = DATA_DIR) -> list
     out: list[MMLUQuestion] = []
     if limit == 0:
         return out
-    for number, obj in _read_jsonl(path):
+    for number, obj in read_json_lines(path, "benchmark data"):
         if obj.get("question") == "question" and obj.get("correct_answer") == "answer":
             continue
         answer = _field(obj, "correct_answer", str, path, number)

@@ -60,6 +60,7 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.tree = tree
         self.cuda_graphs = True  # replay each round as a CUDA graph on GPUs (greedy rules)
+        self.compile = False  # compile the round with torch.compile before capture (GPUs; ~1 min once per setup)
         self._runners: dict = {}
         self.drafter: SlotDrafter | None = None
         if head is not None and draft_model is not None:
@@ -79,9 +80,11 @@ class SpeculativeGenerator:
     @classmethod
     def load(cls, target: str | Path | None = None, head: str | Path | None = None, draft_model: str | Path | None = None,
              device: str | None = None, dtype: str | None = None, tree: TreeConfig | None = None,
-             random_head: bool = False) -> "SpeculativeGenerator":
+             random_head: bool = False, compile: bool = False) -> "SpeculativeGenerator":
         """Load a local target folder (default: SmolLM2-135M-Instruct) with ``head`` (default: the shipped
-        head of the default target), or a ``draft_model`` folder; ``random_head`` builds an untrained head."""
+        head of the default target), or a ``draft_model`` folder; ``random_head`` builds an untrained head.
+        ``compile``: on a GPU, compile each round configuration with torch.compile before graph capture
+        (about a minute on first use of a configuration, then several times fewer kernels per round)."""
         if head is not None and draft_model is not None:
             raise ConfigError("use either a draft head or a draft model, not both")
         dev = resolve_device(device)
@@ -95,6 +98,7 @@ class SpeculativeGenerator:
             head_module = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(dev, dt).eval()
         draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
         gen = cls(model, tokenizer, head_module, draft, tree or TreeConfig())
+        gen.compile = compile
         if tree is None:  # the tuned preset for this target and device type (trees/presets.json), else defaults
             gen.set_tree()
         return gen
@@ -206,10 +210,10 @@ class SpeculativeGenerator:
     def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
         """The reusable round runner (state buffers, captured graph) for this drafter, tree and rule."""
         drafter = drafter if self.tree.drafts else None
-        key = (drafter is not None, self.tree, rule, self.cuda_graphs)
+        key = (drafter is not None, self.tree, rule, self.cuda_graphs, self.compile)
         if key not in self._runners:
             self._runners[key] = RoundRunner(self.target, drafter, self.tree, rule,
-                                             use_graph=None if self.cuda_graphs else False)
+                                             use_graph=None if self.cuda_graphs else False, compile=self.compile)
         return self._runners[key]
 
     def _run(self, call: _Call) -> Iterator[str | GenerationResult]:

@@ -12,7 +12,9 @@ from transformers.cache_utils import Cache
 
 
 class SlotCache(Cache):
-    """A transformers ``Cache`` over preallocated ``[1, H_kv, S, D]`` buffers, one pair per layer.
+    """A transformers ``Cache`` over one preallocated buffer ``[2, layers, 1, H_kv, S, D]`` (keys, values),
+    seen by the model as a ``[1, H_kv, S, D]`` pair per layer; one buffer lets ``compact`` move every
+    layer's rows in a single gather and scatter instead of two per layer.
 
     ``write_slots`` (a fixed tensor, updated in place before each forward) says where ``update`` writes the
     new keys and values; attention always reads all S rows, the caller's mask hides the unused ones.
@@ -23,9 +25,9 @@ class SlotCache(Cache):
         # Cache.__init__ differs between transformers 5.x releases; we own every method the models call.
         self.layers = []
         self.max_len = max_len
-        shape = (1, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv = torch.zeros((2, num_layers, 1, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.keys = list(self.kv[0].unbind(0))
+        self.values = list(self.kv[1].unbind(0))
         self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -53,13 +55,7 @@ class SlotCache(Cache):
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy rows ``src`` to rows ``dst`` in every layer (gather first, so overlaps are safe)."""
-        compact(self.keys + self.values, src, dst)
-
-
-def compact(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """For each ``[1, H, S, D]`` buffer, rows dst[i] <- rows src[i]."""
-    for buf in buffers:
-        buf.index_copy_(2, dst, buf.index_select(2, src))
+        self.kv.index_copy_(4, dst, self.kv.index_select(4, src))
 
 
 def attention_mask(prefix_len: torch.Tensor, slots: torch.Tensor, anc: torch.Tensor, max_len: int) -> torch.Tensor:

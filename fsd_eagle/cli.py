@@ -36,6 +36,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text, no chat template")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="GPU: torch.compile the round before graph capture (slow first call, faster rounds)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -46,7 +48,7 @@ def run_generate(args: argparse.Namespace) -> int:
                         mode=args.fuzzy_mode, support_top_k=args.support_top_k)
     _quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
-                                    device=args.device, dtype=args.dtype)
+                                    device=args.device, dtype=args.dtype, compile=args.compile)
     gen.set_tree(args.total_tokens, args.depth, args.tree_top_k)  # the preset, with explicit values winning
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,

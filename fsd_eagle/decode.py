@@ -6,6 +6,7 @@ Plain autoregressive decoding is the same loop with no drafter: the tree is the 
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -46,11 +47,14 @@ class DecodeStats:
         return self.divergence_sum / self.divergence_count if self.divergence_count else None
 
 
-def plan_cache(prompt_len: int, max_new_tokens: int, tree: TreeConfig) -> int:
-    """Cache slots a call needs (prompt, output, one round's tree and padded path), rounded up to a multiple
-    of 256 so that calls of similar size share one allocation and one captured graph."""
-    need = prompt_len + max_new_tokens + tree.total_tokens + tree.depth + 2
-    return -(-need // 256) * 256
+def plan_cache(prompt_len: int, max_new_tokens: int, tree: TreeConfig, granularity: int = 256) -> int:
+    """Cache slots a call needs: the prompt, the output, the last round's overshoot (up to depth + 1 tokens
+    past max_new_tokens) and one more round in flight (its tree and padded path), rounded up to a multiple of
+    ``granularity`` so that calls of similar size share one allocation, one captured graph and one compiled
+    round (GPUs use 2048: attention over unused slots costs little there, a recompile costs seconds)."""
+    round_rows = tree.total_tokens + tree.depth + 2
+    need = prompt_len + max_new_tokens + tree.depth + 1 + round_rows
+    return -(-need // granularity) * granularity
 
 
 @dataclass
@@ -87,23 +91,48 @@ def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tr
     return torch.cat([meta, verdict.div_sum.double().reshape(1), next_tokens.double()])
 
 
+@functools.cache
+def compiled_round():
+    """``run_round`` compiled by inductor: fuses a round's ~2000 small kernels (norms, rotary, masks, tree
+    bookkeeping) before graph capture; dynamo recompiles per tree/rule configuration and cache shape."""
+    return torch.compile(run_round, dynamic=False)
+
+
+@dataclass
+class PendingRound:
+    """A round's output ``[4 + P]`` (see ``run_round``) on its way to the host."""
+
+    host: torch.Tensor  # on the CPU (a pinned buffer filled asynchronously in graph mode)
+    event: torch.cuda.Event | None = None  # set when the copy is asynchronous
+
+    def result(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()  # waits for this round only, not for a round launched after it
+        return self.host.tolist()
+
+
 class RoundRunner:
     """Runs rounds for one (target, drafter, tree, rule): eagerly, or on CUDA by replaying a captured graph
-    of ``run_round`` (captured on first use; eager again wherever capture fails, with the same outputs).
+    of ``run_round`` (captured on first use, optionally compiled first; eager again wherever capture fails,
+    with the same outputs). In graph mode ``launch`` returns before the round ends, so the host can read
+    one round while the GPU runs the next.
 
     Keep one runner per configuration: its RoundState buffers and its graph are reused across calls.
     """
 
     def __init__(self, target: Target, drafter: SlotDrafter | None, tree_cfg: TreeConfig, rule: AcceptanceRule,
-                 use_graph: bool | None = None) -> None:
+                 use_graph: bool | None = None, compile: bool = False) -> None:
         self.target, self.drafter, self.tree_cfg, self.rule = target, drafter, tree_cfg, rule
         dev = target.device
         self.state = RoundState(torch.zeros((), dtype=torch.long, device=dev))
         if use_graph is None:  # sampling draws from a per-call generator: graphs only for greedy rules
             use_graph = dev.type == "cuda" and rule.sampling.greedy
         self.use_graph = use_graph
+        self.compile = compile and use_graph
         self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # (graph, its output buffer)
         self.captured_for: tuple = ()
+        self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)
+        self.turn = 0
 
     def start(self, root_token: torch.Tensor, root: DraftRoot | None) -> None:
         """Load the prefill's results into the persistent state."""
@@ -115,20 +144,34 @@ class RoundRunner:
             st.root_logits.copy_(root.logits)
             st.root_state.copy_(root.state)
 
-    def __call__(self, generator: torch.Generator | None) -> torch.Tensor:
+    def launch(self, generator: torch.Generator | None) -> PendingRound:
+        """Start one round; its result is read with ``.result()``."""
         if self.use_graph:
             caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
             if self.graph is None or any(a is not b for a, b in zip(caches, self.captured_for)):
                 # (Re)capture: first use, or a cache was reallocated (the graph holds its addresses).
-                self.graph = capture(lambda: run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, None),
-                                     self._state_tensors())
+                self.graph = capture(self._round_fn(), self._state_tensors())
                 self.captured_for = caches
                 self.use_graph = self.graph is not None
             if self.graph is not None:
                 graph, output = self.graph
                 graph.replay()
-                return output
-        return run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator)
+                if len(self.host) != 2 or self.host[0].shape != output.shape:
+                    self.host = [torch.empty(output.shape, dtype=output.dtype, pin_memory=True) for _ in range(2)]
+                buf = self.host[self.turn]
+                self.turn ^= 1
+                buf.copy_(output, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                return PendingRound(buf, event)
+        out = run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator)
+        return PendingRound(out.cpu())
+
+    def _round_fn(self):
+        fn = run_round
+        if self.compile:
+            fn = compiled_round()
+        return lambda: fn(self.target, self.drafter, self.state, self.tree_cfg, self.rule, None)
 
     def _state_tensors(self) -> list[torch.Tensor]:
         st = self.state
@@ -139,9 +182,10 @@ class RoundRunner:
 
 
 def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-    """Capture ``fn`` (one round) in a CUDA graph. Warm-up runs on a side stream and ``state`` is restored
-    after each, so capturing changes nothing (a round only writes cache rows past the committed prefix).
-    Returns (graph, output buffer), or None (eager fallback) if the round cannot be captured."""
+    """Capture ``fn`` (one round) in a CUDA graph. Warm-up runs (which also compile a compiled ``fn``) go
+    on a side stream and ``state`` is restored after each, so capturing changes nothing (a round only
+    writes cache rows past the committed prefix). Returns (graph, output buffer), or None (eager fallback)
+    if the round cannot be compiled or captured."""
     saved = [t.clone() for t in state]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -155,7 +199,7 @@ def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn()
-    except RuntimeError as e:  # e.g. an op that syncs or is not capturable in this torch build
+    except RuntimeError as e:  # an op that syncs or is not capturable here; inductor errors are RuntimeErrors
         torch.cuda.synchronize()
         for t, v in zip(state, saved):
             t.copy_(v)
@@ -171,7 +215,8 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
 
     prompt_ids ``[L]`` on the target's device. ``stats`` is filled as rounds complete; at most
     ``max_new_tokens`` ids are yielded in total. ``runner``: a reusable RoundRunner for this configuration
-    (default: a fresh eager one).
+    (default: a fresh eager one). With a graph runner, the next round is launched before this one is read
+    (at most one round is computed in vain, after the last).
     """
     if max_new_tokens < 1:  # the prefill would already produce one token
         return
@@ -180,7 +225,7 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     if runner is None:
         runner = RoundRunner(target, drafter, tree_cfg, rule, use_graph=False)
     start = time.perf_counter()
-    max_len = plan_cache(prompt_ids.shape[0], max_new_tokens, tree_cfg)
+    max_len = plan_cache(prompt_ids.shape[0], max_new_tokens, tree_cfg, 2048 if target.device.type == "cuda" else 256)
     target.allocate(max_len)
     features = target.prefill(prompt_ids)
     root_token = choose(target.logits(features[-1:])[0], rule.sampling, generator)
@@ -194,8 +239,10 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     stats.new_tokens += 1
     stats.elapsed_s = time.perf_counter() - start
     yield [int(root_token)]
+    pending = runner.launch(generator) if produced < max_new_tokens else None
     while produced < max_new_tokens:
-        host = runner(generator).tolist()  # the round's only host sync
+        ahead = runner.launch(generator) if runner.use_graph else None
+        host = pending.result()  # the round's only host sync
         n_acc, fuzzy_extra, div_count, div_sum = int(host[0]), int(host[1]), int(host[2]), host[3]
         new = [int(t) for t in host[4: 4 + n_acc]][: max_new_tokens - produced]
         produced += len(new)
@@ -207,6 +254,8 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
         stats.accept_lengths.append(n_acc)
         stats.elapsed_s = time.perf_counter() - start
         yield new
+        if produced < max_new_tokens:
+            pending = ahead if ahead is not None else runner.launch(generator)
 
 
 def _next_tokens(tree: DraftTree, verdict: Verdict) -> torch.Tensor:

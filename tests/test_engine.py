@@ -8,6 +8,9 @@ import copy
 import functools
 import json
 import math
+import os
+import shutil
+import sysconfig
 from collections import Counter
 from itertools import product
 
@@ -19,7 +22,8 @@ from hypothesis import strategies as st
 import fsd_eagle.verify as verify_module
 from conftest import tiny_model
 from fsd_eagle.config import SamplingConfig, TreeConfig
-from fsd_eagle.decode import DecodeStats, decode
+from fsd_eagle.decode import (DecodeStats, PendingRound, RoundRunner, compiled_round, decode, plan_cache,
+                              run_round)
 from fsd_eagle.drafter import EagleDrafter, ModelDrafter
 from fsd_eagle.head import EagleHead, HeadConfig
 from fsd_eagle.models import load_head, save_head
@@ -798,3 +802,64 @@ def test_verify_statistical_test_detects_a_broken_rule(monkeypatch, broken):
     counts = sample_verify(tree, SYNTH_LOGITS, AcceptanceRule(SamplingConfig(temperature=1.0)), n, seed=1)
     expected = exact_sequence_distribution(tree, reference_probs(SYNTH_LOGITS, 1.0, 1.0))
     assert chi_square_pvalue(counts, expected, n) < 1e-3
+
+
+# ------------------------------------------------------------- 6. pipelined rounds and compiled rounds
+
+
+class AheadRunner(RoundRunner):
+    """Eager rounds that ``decode`` launches one round ahead of reading, as it does with CUDA graphs."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args, use_graph=False)
+        self.use_graph = True  # decode() pipelines graph runners
+        self.launches = 0
+
+    def launch(self, generator):
+        self.launches += 1
+        return PendingRound(run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator))
+
+
+@pytest.mark.parametrize("tree", ["chain", "tiny", "default"])
+def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree):
+    """The round launched ahead of the last one is computed in vain but changes nothing, and fits the cache:
+    max_new_tokens is chosen so that plan_cache's need is exactly a multiple of its granularity, and the
+    self-draft accepts whole paths, so the last round overshoots max_new_tokens as far as it can."""
+    cfg = TREES[tree]
+    target = Target(tiny_llama)
+    drafter = _drafter("self", tiny_llama, target)
+    prompt = random_prompt(3, 128)
+    n = 256 - prompt.shape[0] - 2 * cfg.depth - cfg.total_tokens - 3
+    assert plan_cache(prompt.shape[0], n, cfg) == 256 and plan_cache(prompt.shape[0], n + 1, cfg) == 512
+    ref, _ = run_decode(target, drafter, prompt, n, cfg)
+    assert ref == reference_greedy(tiny_llama, prompt, n)
+    runner = AheadRunner(target, drafter, cfg, GREEDY)
+    stats = DecodeStats()
+    out = [t for new in decode(target, drafter, prompt, n, cfg, GREEDY, None, stats, runner) for t in new]
+    assert out == ref
+    assert runner.launches == stats.target_forwards  # the prefill is one forward: one round ran ahead
+    longest = min(cfg.depth, cfg.total_tokens - 1) + 1  # the most one round can accept with this tree
+    assert max(stats.accept_lengths) == longest or tree == "default"
+
+
+def _has_cpu_compiler() -> bool:
+    include = sysconfig.get_paths().get("include", "")
+    return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
+
+
+@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+def test_compiled_round_equals_the_eager_round(tiny_llama):
+    """What the GPU path compiles (decode.compiled_round, one graph for the whole round) gives the eager
+    round's outputs, round after round, with a head drafter and a tree whose paths are partly accepted."""
+    torch._dynamo.reset()
+    cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
+    results = []
+    for fn in (run_round, compiled_round()):
+        target = Target(tiny_llama)
+        drafter = _drafter("noisy", tiny_llama, target)
+        prompt = random_prompt(1, 128)
+        runner = RoundRunner(target, drafter, cfg, GREEDY, use_graph=False)
+        next(decode(target, drafter, prompt, 2, cfg, GREEDY, None, DecodeStats(), runner))  # prefill only
+        results.append(torch.stack([fn(target, drafter, runner.state, cfg, GREEDY, None) for _ in range(5)]))
+    assert torch.equal(results[0], results[1])
+    assert (results[0][:, 0] > 1).any()  # some round accepted drafted tokens

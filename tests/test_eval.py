@@ -286,7 +286,8 @@ def test_merge_speed_rows():
 
 
 def test_merge_speed_py_rows():
-    """eval/speed.py's row names: ar_graph / ar_eager / eagle2_graph / fsd_<div>_T<T>_graph; graphs win."""
+    """eval/speed.py's row names: ar_graph / ar_eager / eagle2_graph / fsd_<div>_T<T>_graph; graphs win over
+    eager rounds, compiled rounds over both."""
     rows = aggregate(hand_records(), {"workers": 8, "device": "GPU"})
     speed = {"meta": {"device": "NVIDIA H100", "date": "2026-11-26", "repeats": 2, "prompts": 20},
              "rows": [{"method": "hf_generate", "tokens_per_s": 50.0},
@@ -294,6 +295,10 @@ def test_merge_speed_py_rows():
                       {"method": "eagle2_eager", "tokens_per_s": 150.0},
                       {"method": "eagle2_graph", "tokens_per_s": 300.0, "speedup_vs_hf": 6.0},
                       {"method": "fsd_kl_Tinf_graph", "tokens_per_s": 360.0}]}
+    compiled = {"meta": speed["meta"], "rows": speed["rows"] + [{"method": "eagle2_compiled", "tokens_per_s": 330.0}]}
+    merged = aggregate(hand_records(), {"workers": 8, "device": "GPU"})
+    assert merge_speed(merged, compiled, "f") == 3
+    assert next(r for r in merged if r["config"] == "eagle2")["speed_method"] == "eagle2_compiled"
     assert merge_speed(rows, speed, "speed file gpu_speed.json") == 3
     by = {r["config"]: r for r in rows}
     assert by["ar"]["tokens_per_s"] == 120.0 and by["ar"]["speed_method"] == "ar_graph"

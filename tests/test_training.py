@@ -259,6 +259,21 @@ def test_resume_continues_from_checkpoint(llama, tmp_path, monkeypatch):
     assert (out / "distilled.jsonl.gz").read_bytes() == cache
 
 
+def test_answers_choose_the_training_set_and_max_steps_caps_training(llama, tmp_path, capsys):
+    """--answers original / distilled / both trains on the original answers, the target's regenerated ones
+    (distill_count conversations) or their union; max_steps stops training there (the log's last step)."""
+    recipe = llama.write_recipe("recipe_steps.json", max_steps=3, epochs=4)
+    counts = {}
+    for answers in ("original", "distilled", "both"):
+        out = tmp_path / answers
+        assert main(llama.argv(out, "--answers", answers, recipe=recipe)) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+        counts[answers] = next(x["conversations"] for x in lines if "conversations" in x)
+        assert _log(out)[-1]["step"] == 3 and _progress(out)["step"] == 3
+    assert counts["distilled"] == RECIPE["distill_count"]
+    assert counts["both"] == counts["original"] + counts["distilled"] and counts["original"] > counts["distilled"]
+
+
 class Killed(Exception):
     pass
 
@@ -340,7 +355,7 @@ BAD_DATA = {
     "missing": (None, "not found"),
     "empty": ("", "empty"),
     "blank lines": ("\n  \n", "empty"),
-    "not json": ('{"id": "a", "index": 0, "source": "s", "messages": []}\nnot json\n', ":2: invalid JSON"),
+    "not json": ('{"id": "a", "index": 0, "source": "s", "messages": []}\nnot json\n', "line 2: not valid JSON"),
     "not a record": ('{"messages": [{"role": "user", "content": "w5"}]}\n', "not a conversation record"),
     "bad role": ('{"id": "a", "index": 0, "source": "s", "messages": [{"role": "bot", "content": "w5"}]}\n',
                  "not a conversation record"),
@@ -427,6 +442,9 @@ def test_out_is_a_file(llama, tmp_path, capsys):
 
 @pytest.mark.parametrize("content, expected", [
     (json.dumps({**RECIPE, "epochz": 3}), "unknown keys: epochz"),
+    (json.dumps({**RECIPE, "answers": "mine"}), "answers must be both, distilled or original"),
+    (json.dumps({**RECIPE, "epochs": "6"}), "epochs must be an integer, got '6'"),
+    (json.dumps({**RECIPE, "lr": None}), "lr must be a number, got None"),
     ("{oops", "not valid JSON"),
     ("[1, 2]", "JSON object"),
     (None, "not found"),

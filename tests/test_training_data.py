@@ -232,7 +232,7 @@ GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "co
 
 
 @pytest.mark.parametrize("bad, match", [
-    ("{not json", "invalid JSON"),
+    ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ({"text": "hi"}, "'messages' or 'conversations'"),
     ({"messages": "hi"}, "'messages' or 'conversations'"),
@@ -247,7 +247,7 @@ def test_user_jsonl_malformed_line_reports_line_number(tmp_path, bad, match):
     with pytest.raises(InputError, match=match) as ei:
         list(it)
     msg = str(ei.value)
-    assert "m.jsonl:3:" in msg and "\n" not in msg
+    assert "m.jsonl, line 3:" in msg and "\n" not in msg
 
 
 def test_user_jsonl_no_usable_conversation(tmp_path):
@@ -284,13 +284,13 @@ def test_gsm8k_rewrite(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({"question": "Q", "answer": "no final line"}, "####"),
     ({"question": "Q"}, "'question' and 'answer'"),
-    ("nope", "invalid JSON"),
+    ("nope", "not valid JSON"),
 ])
 def test_gsm8k_bad_line(tmp_path, bad, match):
     p = _jsonl(tmp_path / "train.jsonl", [{"question": "Q", "answer": "x\n#### 1"}, bad])
     with pytest.raises(InputError, match=match) as ei:
         list(D.iter_gsm8k_train(p))
-    assert "train.jsonl:2:" in str(ei.value)
+    assert "train.jsonl, line 2:" in str(ei.value)
 
 
 def test_gsm8k_missing_file(tmp_path):
@@ -337,7 +337,7 @@ def test_write_failure_leaves_no_file(tmp_path):
 
 def test_read_conversations_bad_record(tmp_path):
     p = _jsonl(tmp_path / "c.jsonl", [_convs()[0].to_dict(), {"id": "x", "messages": []}])
-    with pytest.raises(InputError, match="c.jsonl:2:"):
+    with pytest.raises(InputError, match="c.jsonl, line 2:"):
         list(D.read_conversations(p))
 
 

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count"):
+    for key in ("epochs", "distill_count", "answers"):
         if getattr(args, key) is not None:
             setattr(recipe, key, getattr(args, key))
     if args.data:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                                 recipe.distill_new_tokens)
             write_conversations(distilled, cache)
             timings["distill_s"] = round(time.perf_counter() - t, 1)
-        train_convs = train_convs + distilled
+        train_convs = {"both": train_convs + distilled, "distilled": distilled, "original": train_convs}[recipe.answers]
     if args.stage == "distill":
         print(json.dumps({"distilled": len(distilled) if recipe.distill else 0, **timings}))
         return 0
@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"conversations": len(train_convs), "examples": len(examples), "loss_tokens": n_tokens,
                       "val_prompts": len(val), **timings}), flush=True)
     target = Target(model)
+    torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
     head = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(device)
     val_prompts = [c.messages[: next(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
                    for c in val[: recipe.val_prompts]]
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data", action="append", help="conversation file(s) (override the recipe)")
     r.add_argument("--epochs", type=int)
     r.add_argument("--distill-count", type=int)
+    r.add_argument("--answers", choices=("both", "distilled", "original"),
+                   help="train on the original answers, the target's own (distilled) ones, or both")
     r.add_argument("--stage", choices=("distill", "all"), default="all")
     r.add_argument("--resume", action="store_true")
     r.add_argument("--overwrite", action="store_true")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from fsd_eagle.errors import FSDError, InputError
+from fsd_eagle.jsonl import open_text, read_json_lines
 
 SHAREGPT_HELDOUT_START = 15000
 """ShareGPT conversations with index >= this are evaluation data: never used for training."""
@@ -349,44 +350,6 @@ def _iter_sharegpt(path: Path | None, max_index: int, stats: SourceStats) -> Ite
 # JSON-lines inputs
 
 
-def _open_lines(path: Path, what: str):
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{what} file not found: {path}")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(2)
-        if magic == b"\x1f\x8b":
-            return gzip.open(path, "rt", encoding="utf-8")
-        return open(path, encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read {what} file {path}: {e.strerror or e}") from None
-
-
-def _iter_json_lines(path: Path, what: str) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_number, object)`` for non-blank lines; InputError on a bad or empty file."""
-    path = Path(path)
-    f = _open_lines(path, what)
-    seen = False
-    with f:
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                seen = True
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-                yield lineno, obj
-        except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
-            raise InputError(f"{path}: cannot decode {what} file ({e})") from None
-    if not seen:
-        raise InputError(f"{what} file is empty: {path}")
-
-
 def _user_pairs(obj: dict, where: str) -> list[tuple[str, str]]:
     if "messages" in obj:
         items, rkey, ckey = obj["messages"], "role", "content"
@@ -420,16 +383,16 @@ def iter_jsonl_conversations(path: Path, stats: SourceStats | None = None) -> It
     (reported with its line number) or a file with no usable conversation raises InputError.
     """
     path = Path(path)
-    _open_lines(path, "JSONL").close()  # missing file fails at call time
+    open_text(path, "JSONL").close()  # missing file fails at call time
     return _iter_jsonl(path, stats if stats is not None else SourceStats())
 
 
 def _iter_jsonl(path: Path, stats: SourceStats) -> Iterator[Conversation]:
     stats.source = stats.source or f"jsonl:{path.name}"
     t0 = time.perf_counter()
-    for lineno, obj in _iter_json_lines(path, "JSONL"):
+    for lineno, obj in read_json_lines(path, "JSONL"):
         stats.read += 1
-        msgs = normalize_messages(_user_pairs(obj, f"{path}:{lineno}"), stats.fixes)
+        msgs = normalize_messages(_user_pairs(obj, f"{path}, line {lineno}"), stats.fixes)
         if not msgs:
             stats.dropped["no_user_assistant_pair"] += 1
             continue
@@ -475,22 +438,22 @@ def iter_gsm8k_train(
 ) -> Iterator[Conversation]:
     """Stream GSM8K train records ``{question, answer}`` as [user: question, assistant: answer]."""
     path = Path(path) if path is not None else DEFAULT_GSM8K_TRAIN
-    _open_lines(path, "GSM8K train").close()
+    open_text(path, "GSM8K train").close()
     return _iter_gsm8k(path, stats if stats is not None else SourceStats(), strip_calculator)
 
 
 def _iter_gsm8k(path: Path, stats: SourceStats, strip_calculator: bool) -> Iterator[Conversation]:
     stats.source = stats.source or "gsm8k"
     t0 = time.perf_counter()
-    for lineno, obj in _iter_json_lines(path, "GSM8K train"):
+    for lineno, obj in read_json_lines(path, "GSM8K train"):
         stats.read += 1
         q, a = obj.get("question"), obj.get("answer")
         if not isinstance(q, str) or not isinstance(a, str):
-            raise InputError(f"{path}:{lineno}: expected string fields 'question' and 'answer'")
+            raise InputError(f"{path}, line {lineno}: expected string fields 'question' and 'answer'")
         try:
             answer = gsm8k_answer_text(a, strip_calculator)
         except ValueError as e:
-            raise InputError(f"{path}:{lineno}: GSM8K answer has {e}") from None
+            raise InputError(f"{path}, line {lineno}: GSM8K answer has {e}") from None
         msgs = normalize_messages([("user", q), ("assistant", answer)], stats.fixes)
         if not msgs:
             stats.dropped["empty_question_or_answer"] += 1
@@ -534,12 +497,12 @@ def write_conversations(convs: Iterable[Conversation], path: Path) -> int:
 def read_conversations(path: Path) -> Iterator[Conversation]:
     """Read a file written by :func:`write_conversations` (gzip detected from its content)."""
     path = Path(path)
-    _open_lines(path, "conversations").close()
+    open_text(path, "conversations").close()
     return _read_conversations(path)
 
 
 def _read_conversations(path: Path) -> Iterator[Conversation]:
-    for lineno, obj in _iter_json_lines(path, "conversations"):
+    for lineno, obj in read_json_lines(path, "conversations"):
         msgs = obj.get("messages")
         ok = (
             isinstance(obj.get("id"), str)
@@ -552,7 +515,7 @@ def _read_conversations(path: Path) -> Iterator[Conversation]:
             )
         )
         if not ok:
-            raise InputError(f"{path}:{lineno}: not a conversation record (id, index, source, messages)")
+            raise InputError(f"{path}, line {lineno}: not a conversation record (id, index, source, messages)")
         yield Conversation(id=obj["id"], index=obj["index"], source=obj["source"], messages=msgs)
 
 

@@ -18,6 +18,7 @@ class Recipe:
     target: str | None = None
     data: list[str] = field(default_factory=list)
     distill: bool = True
+    answers: str = "both"  # with distill: train on the "both" answers, or only "distilled" / "original" ones
     distill_count: int = 0  # 0 = all conversations
     distill_batch: int = 512
     distill_prompt_tokens: int = 384
@@ -25,6 +26,7 @@ class Recipe:
     max_len: int = 1024
     tokens_per_batch: int = 16384
     epochs: int = 6
+    max_steps: int = 0  # 0 = no cap; else training stops (LR schedule fitted) after this many steps
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
@@ -55,9 +57,34 @@ class Recipe:
         if unknown:
             raise InputError(f"recipe {path} has unknown keys: {', '.join(unknown)}")
         raw.pop("comment", None)
+        for f in fields(cls):
+            if f.name in raw and not _fits(f.type, raw[f.name]):
+                raise InputError(f"recipe {path}: {f.name} must be {_TYPE_NAMES[f.type]}, got {raw[f.name]!r}")
         if "betas" in raw:
             raw["betas"] = tuple(raw["betas"])
-        return cls(**raw)
+        recipe = cls(**raw)
+        if recipe.answers not in ("both", "distilled", "original"):
+            raise InputError(f"recipe {path}: answers must be both, distilled or original, not {recipe.answers!r}")
+        return recipe
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "str | None": "a string or null", "list[str]": "a list of strings",
+               "tuple[float, float]": "a list of two numbers"}
+
+
+def _fits(type_name: str, value) -> bool:
+    """Does a JSON value fit a Recipe field's annotation (written as a string: postponed annotations)?"""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": number,
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "str | None": lambda v: v is None or isinstance(v, str),
+        "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "tuple[float, float]": lambda v: isinstance(v, list) and len(v) == 2 and all(number(x) for x in v),
+    }[type_name](value)

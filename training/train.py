@@ -7,6 +7,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -126,9 +127,13 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     opt = torch.optim.AdamW(head.parameters(), lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay)
     batches_per_epoch = len(make_batches(train_set, recipe.tokens_per_batch, recipe.seed))
     total = batches_per_epoch * recipe.epochs
+    if recipe.max_steps:
+        total = min(total, recipe.max_steps)
     step, first_epoch, log = 0, 0, []
     if resume and checkpoint_dir(out) is not None:
         step, first_epoch, log = load_checkpoint(out, head, opt)
+    elif resume:
+        print(f"note: no checkpoint in {out} yet: training starts at step 0", file=sys.stderr, flush=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     started, first_step = time.perf_counter(), step
     for epoch in range(first_epoch, recipe.epochs):

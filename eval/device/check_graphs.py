@@ -1,5 +1,9 @@
-"""Quick GPU check: a round has no host sync (sync debug mode), CUDA-graph rounds give the same tokens as
-eager rounds, and how long a round takes either way."""
+"""Quick GPU check: a round has no host sync (sync debug mode); graph-replayed and compiled rounds give
+the same tokens as eager rounds; how long a round takes each way (and how long compilation takes).
+
+    python eval/device/check_graphs.py            # the default model and its shipped head
+    python eval/device/check_graphs.py --tiny     # a small random Llama and head (no model files needed)
+"""
 
 import sys
 import time
@@ -12,10 +16,36 @@ from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.decode import run_round  # noqa: E402
 from fsd_eagle.verify import AcceptanceRule  # noqa: E402
 
-gen = SpeculativeGenerator.load(device="cuda", dtype="bfloat16")
-prompt = "Explain how a transformer language model generates text, step by step."
+
+def tiny_generator() -> SpeculativeGenerator:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsd_eagle.head import EagleHead, HeadConfig
+
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        head = EagleHead(HeadConfig.for_target(cfg)).to(torch.bfloat16).eval()
+
+    class _Tok:
+        eos_token_id = None
+        chat_template = None
+
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return ""
+
+    return SpeculativeGenerator(model, _Tok(), head)
+
+
+tiny = "--tiny" in sys.argv
+gen = tiny_generator() if tiny else SpeculativeGenerator.load(device="cuda", dtype="bfloat16")
+prompt = list(range(10, 60)) if tiny else "Explain how a transformer language model generates text, step by step."
+kw = dict(chat=False) if tiny else {}
 gen.cuda_graphs = False
-gen.generate(prompt, 32)
+gen.generate(prompt, 32, **kw)
 runner = next(iter(gen._runners.values()))
 torch.cuda.synchronize()
 torch.cuda.set_sync_debug_mode("error")
@@ -28,15 +58,18 @@ finally:
     torch.cuda.set_sync_debug_mode("default")
 for ar in (True, False):
     res = {}
-    for graphs in (False, True):
-        gen.cuda_graphs = graphs
-        gen.generate(prompt, 128, autoregressive=ar)
+    for backend in ("eager", "graph", "compiled"):
+        gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
+        t = time.perf_counter()
+        gen.generate(prompt, 128, autoregressive=ar, **kw)
+        first = time.perf_counter() - t
         torch.cuda.synchronize()
         t = time.perf_counter()
-        r = gen.generate(prompt, 128, autoregressive=ar)
+        r = gen.generate(prompt, 128, autoregressive=ar, **kw)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
-        res[graphs] = r.token_ids
-        print(f"{'AR' if ar else 'EAGLE-2'} graphs={graphs}: {r.stats.new_tokens / dt:.1f} tok/s, tau {r.stats.tau:.2f}, "
-              f"{1000 * dt / r.stats.target_forwards:.2f} ms/round")
-    print("identical:", res[False] == res[True])
+        res[backend] = r.token_ids
+        print(f"{'AR' if ar else 'EAGLE-2'} {backend}: first call {first:.1f} s; {r.stats.new_tokens / dt:.1f} tok/s, "
+              f"tau {r.stats.tau:.2f}, {1000 * dt / r.stats.target_forwards:.2f} ms/round", flush=True)
+    print("graph identical to eager:", res["graph"] == res["eager"],
+          "| compiled identical to eager:", res["compiled"] == res["eager"])
