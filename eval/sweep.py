@@ -453,6 +453,27 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def resolve_tree(target: str | None, device_type: str, tree: dict | None) -> dict:
+    """The tree every job uses: explicit values over the target's preset for this device type (as
+    SpeculativeGenerator.set_tree resolves it). Kept in settings.json, so a preset tuned later cannot mix
+    into a resumed sweep."""
+    from types import SimpleNamespace
+
+    from fsd_eagle.config import TreeConfig
+    from fsd_eagle.models import default_target_path
+    from fsd_eagle.trees_presets import load_presets, lookup, model_name
+
+    tree = dict(tree or {})
+    keys = ("total_tokens", "depth", "top_k")
+    if any(tree.get(k) is None for k in keys):
+        # presets are filed under the folder's name, as from_pretrained sets config._name_or_path
+        folder = Path(target) if target else default_target_path()
+        name = model_name(SimpleNamespace(_name_or_path=str(folder)))
+        base = lookup(load_presets(), name, device_type) or TreeConfig()
+        tree = {k: tree.get(k) if tree.get(k) is not None else getattr(base, k) for k in keys}
+    return {k: tree[k] for k in keys}
+
+
 def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[str] = METHODS,
               divergences: Sequence[str] = DEFAULT_DIVERGENCES,
               thresholds: Sequence[float] | dict[str, Sequence[float]] = DEFAULT_THRESHOLDS,
@@ -485,7 +506,8 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
     store = ResultStore(out)
     settings = {"target": str(target) if target else "default", "head": str(head) if head else "default",
                 **({"draft_model": str(draft_model)} if draft_model else {}),
-                "dtype": str(dt).replace("torch.", ""), "tree": tree or "preset", "fuzzy_mode": fuzzy_mode,
+                "dtype": str(dt).replace("torch.", ""), "tree": resolve_tree(target, dev.type, tree),
+                "fuzzy_mode": fuzzy_mode,
                 "max_new_tokens": {t: limits[t] for t in TASKS}, "seed": seed}
     store.check_settings(settings)
 
@@ -503,7 +525,7 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
     cpu = os.cpu_count() or 1
     opts = {"target": str(target) if target else None, "head": str(head) if head else None,
             "draft_model": str(draft_model) if draft_model else None, "device": device,
-            "dtype": dtype, "seed": seed, "fuzzy_mode": fuzzy_mode, "tree": tree or {},
+            "dtype": dtype, "seed": seed, "fuzzy_mode": fuzzy_mode, "tree": settings["tree"],
             "configs": [c.to_json() for c in configs], "humaneval_timeout_s": humaneval_timeout_s,
             "threads": threads if threads else (None if workers == 1 else
                                                  max(1, cpu // workers) if dev.type == "cpu" else 1)}

@@ -138,6 +138,30 @@ def test_sweep_resumes_without_redoing_questions(folders, tmp_path, count_genera
     assert len(count_generate) == 7
 
 
+def test_sweep_settings_record_the_resolved_tree(folders, tmp_path):
+    """Without an explicit tree the sweep records the preset it resolves (partial values over the target's
+    preset for the device), so retuning the preset later cannot mix into a resumed sweep."""
+    from eval.sweep import resolve_tree
+    from fsd_eagle.config import TreeConfig
+    from fsd_eagle.trees_presets import load_presets, lookup
+
+    default = TreeConfig()
+    assert resolve_tree(str(folders / "target"), "cpu", None) == {
+        "total_tokens": default.total_tokens, "depth": default.depth, "top_k": default.top_k}  # no preset: defaults
+    assert resolve_tree(str(folders / "target"), "cpu", {"depth": 2}) == {
+        "total_tokens": default.total_tokens, "depth": 2, "top_k": default.top_k}
+    named = tmp_path / "SmolLM2-135M-Instruct"  # presets are filed under the folder's name
+    for device in ("cpu", "cuda"):
+        preset = lookup(load_presets(), "SmolLM2-135M-Instruct", device)  # trees/presets.json has both
+        assert resolve_tree(str(named), device, None) == {
+            "total_tokens": preset.total_tokens, "depth": preset.depth, "top_k": preset.top_k}
+        assert resolve_tree(str(named), device, {"top_k": 3})["top_k"] == 3
+    out = tmp_path / "sweep"
+    run_sweep(out, ["gsm8k"], ["ar"], target=str(folders / "target"), head=str(folders / "head"), device="cpu",
+              dtype="float32", limit=0, progress=False, report=False)
+    assert json.loads((out / "settings.json").read_text())["tree"] == resolve_tree(str(folders / "target"), "cpu", None)
+
+
 def test_tau_command(folders, tmp_path, capsys):
     out = tmp_path / "tau"
     assert eval_main(["tau", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
