@@ -185,10 +185,11 @@ class SpeculativeGenerator:
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
                stop: str | Sequence[str] | None = None, chat: bool | None = None,
-               autoregressive: bool = False) -> Iterator[str]:
-        """Yield text pieces as they are accepted; see ``generate`` for the arguments."""
+               autoregressive: bool = False, with_result: bool = False) -> Iterator[str | GenerationResult]:
+        """Yield text pieces as they are accepted, then (only with ``with_result``) the GenerationResult
+        with the call's statistics; see ``generate`` for the other arguments."""
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
-        yield from (piece for piece in self._run(call) if isinstance(piece, str))
+        yield from (piece for piece in self._run(call) if with_result or isinstance(piece, str))
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,

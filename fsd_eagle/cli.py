@@ -57,10 +57,20 @@ def run_generate(args: argparse.Namespace) -> int:
         result = gen.generate(args.prompt, **kwargs)
         print(json.dumps(result.to_dict(), ensure_ascii=False))
         return 0
-    for piece in gen.stream(args.prompt, **kwargs):
-        print(piece, end="", flush=True)
-    print()
+    for piece in gen.stream(args.prompt, **kwargs, with_result=True):
+        if isinstance(piece, str):
+            print(piece, end="", flush=True)
+        else:
+            print()
+            print(stats_line(piece.stats), file=sys.stderr)
     return 0
+
+
+def stats_line(stats) -> str:
+    """One line of statistics for stderr after streamed text (stdout keeps the text alone)."""
+    fuzzy = f", {stats.fuzzy_accepted} fuzzy-accepted" if stats.fuzzy_accepted else ""
+    return (f"[{stats.new_tokens} tokens in {stats.elapsed_s:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
+            f"tau {stats.tau:.2f} ({stats.target_forwards} target forwards){fuzzy}]")
 
 
 def _quiet_transformers() -> None:

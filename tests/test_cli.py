@@ -130,8 +130,10 @@ def test_threshold_inf(folders, capfd):
 def test_stream_output_matches_json(folders, capfd):
     d = run_json(capfd, base_args(folders))
     rc, out, err = run_main(capfd, base_args(folders))
-    assert rc == 0 and err == ""
-    assert out == d["text"] + "\n"
+    assert rc == 0 and out == d["text"] + "\n"
+    # stderr: one line of statistics, the same as --json's
+    assert err == f"[{d['new_tokens']} tokens in " + err.split(" in ", 1)[1] and err.count("\n") == 1
+    assert f"tau {d['tau']:.2f} ({d['target_forwards']} target forwards)" in err and "tokens/s" in err
     rc, out, _ = run_main(capfd, base_args(folders, "--stop", d["text"].split()[3]))
     assert rc == 0 and out == d["text"][: d["text"].index(d["text"].split()[3])] + "\n"
 
@@ -143,7 +145,8 @@ def test_sampling_seed(folders, capfd):
 
 
 def test_python_m_json(runs):
-    """The CLI run as a process (see DRIVER): clean stdout (one JSON object) and an empty stderr."""
+    """The CLI run as a process (see DRIVER): clean stdout (one JSON object, or the text) and stderr empty
+    with --json, one statistics line without."""
     r = runs["json"]
     assert r["rc"] == 0, r["err"]
     assert r["err"] == ""
@@ -152,7 +155,9 @@ def test_python_m_json(runs):
         assert key in d
     assert d["fuzzy_accepted"] > 0
     r = runs["stream"]
-    assert r["rc"] == 0 and r["err"] == "" and r["out"] == d["text"] + "\n"
+    assert r["rc"] == 0 and r["out"] == d["text"] + "\n"
+    assert r["err"].startswith(f"[{d['new_tokens']} tokens in ") and r["err"].count("\n") == 1
+    assert f"{d['fuzzy_accepted']} fuzzy-accepted]" in r["err"] and "Traceback" not in r["err"]
 
 
 # ------------------------------------------------------------------------------------ bad input
