@@ -93,8 +93,9 @@ def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tr
 
 @functools.cache
 def compiled_round():
-    """``run_round`` compiled by inductor: fuses a round's ~2000 small kernels (norms, rotary, masks, tree
-    bookkeeping) before graph capture; dynamo recompiles per tree/rule configuration and cache shape."""
+    """``run_round`` compiled by inductor: fuses a round's many small kernels (norms, rotary, masks, tree
+    bookkeeping; on the H200 a compiled round took 3.6 ms against 6.5 ms) before graph capture. dynamo
+    recompiles per tree/rule configuration and cache shape."""
     return torch.compile(run_round, dynamic=False)
 
 
