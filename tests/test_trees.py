@@ -4,6 +4,7 @@ tiny random model whose replayed tau must equal real decoding's)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import sys
@@ -223,3 +224,26 @@ def test_tune_end_to_end_replay_equals_real_decoding(tiny_llama):
     assert rows["ar"]["tau"] == 1.0 and m["tau"] == rows[tune.label(chosen)]["tau"]
     assert m["replay"]["trees"] == len(grid) and m["replay"]["kept_to_the_end"] >= 2
     assert set(m["costs_ms"]["draft_step_by_top_k"]) == {"1", "2"}
+
+
+def test_tune_shortlist_measures_every_tree_and_picks_the_fastest(tiny_llama):
+    """The GPU mode (--trees): every listed tree, AR and the EAGLE-2 default are really decoded on every
+    prompt; the pick is the drafting tree with the best steady tokens/s; tau is what decoding gives."""
+    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=tiny_llama)  # self-draft: all accepted
+    prompts = [[5, 17, 99, 3, 42, 64, 8], [7, 7, 30, 101, 12]]
+    trees = [TreeConfig(3, 2, 1), TreeConfig(5, 4, 1)]
+    entry = tune.tune_shortlist(gen, prompts, trees, max_new_tokens=12, log=lambda msg: None)
+    m = entry["measured"]
+    rows = {r["tree"]: r for r in m["finalists"]}
+    assert set(rows) == {"ar", "3/2/1", "5/4/1", "60/6/10"}
+    assert rows["ar"]["tau"] == 1.0 and rows["5/4/1"]["tau"] > rows["3/2/1"]["tau"] > 1.5
+    drafting = {k: v for k, v in rows.items() if k != "ar"}
+    best = max(drafting, key=lambda k: drafting[k]["steady_tokens_per_s"])
+    assert tune.label(TreeConfig(**entry["tree"])) == best and m["tau"] == rows[best]["tau"]
+
+
+def test_trees_argument():
+    assert tune._trees("60/6/10, 8/3/4") == [TreeConfig(60, 6, 10), TreeConfig(8, 3, 4)]
+    for bad in ("60/6", "60/x/10", "0/1/1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="total/depth/top_k"):
+            tune._trees(bad)

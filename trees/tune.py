@@ -2,6 +2,11 @@
 and a device, and write it into ``trees/presets.json``.
 
     python -m trees.tune --device cpu [--target DIR] [--head DIR] [--out trees/presets.json]
+    python -m trees.tune --device cuda --compile --trees 60/6/10,48/5/8,96/7/10 --validate 8
+
+The second form (shortlist) skips steps 1-3 below: each listed tree is decoded for real as in step 4 and the
+fastest kept. Use it on GPUs, where the eagerly timed stage costs of step 1 measure kernel-launch overhead
+that CUDA graphs and compiled rounds remove, so the model would rank trees wrongly.
 
 Method (greedy decoding, exact rule):
 
@@ -391,6 +396,64 @@ def held_out_prompts(n: int) -> list[tuple[str, str]]:
     return out
 
 
+def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[TreeConfig], max_new_tokens: int,
+                  log: Callable[[str], None] = _log) -> tuple[dict[TreeConfig, list["Run"]], list[dict]]:
+    """Decode every prompt with every tree of ``trial`` (AR first in it), back to back per prompt and in
+    rotating order, so that load from other processes hits all alike. Returns the runs and one row per
+    tree: tau, tokens/s, steady tokens/s (rounds at their median time), median speedup over AR."""
+    measured: dict[TreeConfig, list[Run]] = {c: [] for c in trial}
+    for i, prompt in enumerate(prompts):
+        for cfg in list(trial[i % len(trial):]) + list(trial[: i % len(trial)]):  # rotate who goes first
+            measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens))
+        log(f"measured prompt {i + 1}/{len(prompts)}")
+    rows = []
+    for cfg in trial:
+        done, ar = measured[cfg], measured[AR]
+        new = sum(len(r.tokens) for r in done)
+        rows.append({"tree": cfg, "tau": new / sum(r.forwards for r in done),
+                     "tokens_per_s": new / sum(r.elapsed_s for r in done),
+                     "steady_tokens_per_s": new / sum(r.steady_s for r in done),
+                     "speedup_vs_ar": statistics.median(len(r.tokens) / r.steady_s / (len(a.tokens) / a.steady_s)
+                                                        for r, a in zip(done, ar))})
+    return measured, rows
+
+
+def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig], *, max_new_tokens: int = 64,
+                   log: Callable[[str], None] = _log) -> dict:
+    """No cost model: decode each tree of ``trees`` (with AR and the EAGLE-2 default) on every prompt with
+    the library's own round runner (CUDA graphs, compiled rounds if ``gen.compile``) and keep the fastest.
+    For GPUs, where the model's eagerly timed stage costs say little about graph-replayed rounds."""
+    start = time.perf_counter()
+    tuner = Tuner(gen, log)
+    trial = list(dict.fromkeys([AR, *trees, DEFAULT_TREE]))
+    if gen.target.device.type == "cuda":  # first calls capture (and compile): keep them out of the timings
+        for cfg in trial:
+            tuner.decode(list(prompts[0]), cfg, 8)
+    _, rows = measure_trees(tuner, prompts, trial, max_new_tokens, log)
+    choice = pick(rows)
+    fmt = lambda r: {k: (label(v) if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
+    by_tree = {r["tree"]: r for r in rows}
+    entry = {
+        "tuned": True,
+        "method": "shortlist: every tree decoded for real, no cost model",
+        "compiled_rounds": bool(getattr(gen, "compile", False)),
+        "tokens_per_s": round(choice["tokens_per_s"], 3),
+        "steady_tokens_per_s": round(choice["steady_tokens_per_s"], 3),
+        "tau": round(choice["tau"], 3),
+        "speedup_vs_ar": round(choice["speedup_vs_ar"], 3),
+        "ar": fmt({k: v for k, v in by_tree[AR].items() if k != "tree"}),
+        "eagle2_default": fmt(by_tree[DEFAULT_TREE]),
+        "validation": f"{len(prompts)} prompts, {max_new_tokens} new tokens, greedy, every tree decoded once per "
+                      "prompt, back to back; steady = rounds at their median time; chosen: the drafting tree "
+                      "with the best steady tokens/s; speedup_vs_ar: median over prompts",
+        "finalists": [fmt(r) for r in rows],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if not choice["steady_tokens_per_s"] > by_tree[AR]["steady_tokens_per_s"]:
+        entry["warning"] = "no drafting tree beat autoregressive decoding on this device"
+    return {"tree": tree_dict(choice["tree"]), "measured": entry}
+
+
 def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, max_new_tokens: int = 64,
          validate: int = 4, finalists: int = 3, prune_after: int = 2, keep_frac: float = 0.8, repeats: int = 3,
          warmup: int = 1, cost_prefix: Sequence[int] | None = None, log: Callable[[str], None] = _log) -> dict:
@@ -451,27 +514,15 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
     # Validation: real decoding of the finalists and the baselines, back to back per prompt.
     trial = list(dict.fromkeys([AR, *ranked[:finalists], DEFAULT_TREE]))
     vprompts = list(prompts[:validate])
-    measured: dict[TreeConfig, list[Run]] = {c: [] for c in trial}
-    for i, prompt in enumerate(vprompts):
-        for cfg in trial[i % len(trial):] + trial[: i % len(trial)]:  # rotate who goes first
-            measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens))
-        log(f"validated prompt {i + 1}/{len(vprompts)}")
-    rows = []
-    for cfg in trial:
-        done, ar = measured[cfg], measured[AR]
-        new = sum(len(r.tokens) for r in done)
-        row = {"tree": cfg, "tau": new / sum(r.forwards for r in done),
-               "tokens_per_s": new / sum(r.elapsed_s for r in done),
-               "steady_tokens_per_s": new / sum(r.steady_s for r in done),
-               "speedup_vs_ar": statistics.median(len(r.tokens) / r.steady_s / (len(a.tokens) / a.steady_s)
-                                                  for r, a in zip(done, ar))}
+    measured, rows = measure_trees(tuner, vprompts, trial, max_new_tokens, log)
+    for cfg, row in zip(trial, rows):
+        done = measured[cfg]
         replayed = runs.get(cfg, [])[: len(vprompts)]
         if len(replayed) == len(vprompts):
             row["replay_tau"], row["predicted_tokens_per_s"] = predict(costs, cfg, replayed)
         elif not cfg.drafts or cfg.top_k in costs.step_s:  # the model on this tree's measured tau
             row["predicted_tokens_per_s"] = predict(costs, cfg, [Replayed(len(r.tokens), r.forwards, r.prefill_s)
                                                                  for r in done])[1]
-        rows.append(row)
     choice = pick(rows)
     errors = [abs(r["predicted_tokens_per_s"] / r["steady_tokens_per_s"] - 1) for r in rows
               if "predicted_tokens_per_s" in r]
@@ -530,6 +581,17 @@ def write_preset(path: Path, model: str, device_type: str, entry: dict) -> None:
     tmp.replace(path)
 
 
+def _trees(text: str) -> list[TreeConfig]:
+    """"60/6/10,48/5/8" -> trees (total_tokens/depth/top_k)."""
+    trees = []
+    for item in text.split(","):
+        parts = item.strip().split("/")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise argparse.ArgumentTypeError(f"expected trees as total/depth/top_k (e.g. 60/6/10), got {item!r}")
+        trees.append(TreeConfig(*map(int, parts)))
+    return trees
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
@@ -552,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", type=_ints, default=GRID_DEPTHS)
     p.add_argument("--top-ks", type=_ints, default=GRID_TOP_KS)
     p.add_argument("--repeats", type=int, default=3, help="timed cost sweeps at the start (one more per prompt)")
+    p.add_argument("--trees", type=_trees, default=None, metavar="T/D/K,...",
+                   help="measure only these trees (total/depth/top_k; AR and 60/6/10 are added) by real decoding "
+                        "of --validate prompts, no cost model: the way to tune for a GPU")
+    p.add_argument("--compile", action="store_true", help="GPU: decode with compiled rounds (as generate(compile=True))")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores that the load average leaves idle, at least 1)")
     a = p.parse_args(argv)
@@ -568,22 +634,28 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, tree=DEFAULT_TREE)
+    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, tree=DEFAULT_TREE,
+                                    compile=a.compile)
     name = model_name(gen.target.model.config)
-    texts = held_out_prompts(a.prompts)
+    texts = held_out_prompts(a.prompts if a.trees is None else a.validate)
     prompts = [gen.encode(text) for _, text in texts]
-    configs = candidate_grid(a.totals, a.depths, a.top_ks)
-    _log(f"{name} on {a.device} ({threads} thread(s)): {len(configs)} trees, {len(prompts)} prompts")
-    entry = tune(gen, prompts, configs, max_new_tokens=a.max_new_tokens, validate=a.validate,
-                 finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats)
+    if a.trees is not None:
+        _log(f"{name} on {a.device}: {len(a.trees)} trees measured on {len(prompts)} prompts")
+        entry = tune_shortlist(gen, prompts, a.trees, max_new_tokens=a.max_new_tokens)
+        grid = {"trees": [label(t) for t in a.trees]}
+    else:
+        configs = candidate_grid(a.totals, a.depths, a.top_ks)
+        _log(f"{name} on {a.device} ({threads} thread(s)): {len(configs)} trees, {len(prompts)} prompts")
+        entry = tune(gen, prompts, configs, max_new_tokens=a.max_new_tokens, validate=a.validate,
+                     finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats)
+        grid = {"grid": {"total_tokens": list(a.totals), "depth": list(a.depths), "top_k": list(a.top_ks)}}
     m = entry["measured"]
     described = {"date": datetime.date.today().isoformat(),
                  "device": device_description(gen.target.device, threads),
                  "dtype": str(gen.target.dtype).replace("torch.", ""),
                  "command": "python -m trees.tune " + " ".join(sys.argv[1:] if argv is None else argv),
                  "head": str(a.head) if a.head else "shipped head",
-                 "prompts": [src for src, _ in texts],
-                 "grid": {"total_tokens": list(a.totals), "depth": list(a.depths), "top_k": list(a.top_ks)}}
+                 "prompts": [src for src, _ in texts], **grid}
     entry["measured"] = {"tuned": m.pop("tuned"), **described, **m}
     print(json.dumps({name: {a.device: entry}}, indent=2))
     if not a.dry_run:
