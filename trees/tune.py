@@ -418,6 +418,28 @@ def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[
     return measured, rows
 
 
+def summarize(rows: list[dict], runs: str) -> tuple[dict, dict]:
+    """The chosen row (see ``pick``) and the preset entry's common fields for measured ``rows``."""
+    choice = pick(rows)
+    by_tree = {r["tree"]: r for r in rows}
+    fmt = lambda r: {k: (label(v) if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
+    entry = {
+        "tokens_per_s": round(choice["tokens_per_s"], 3),
+        "steady_tokens_per_s": round(choice["steady_tokens_per_s"], 3),
+        "tau": round(choice["tau"], 3),
+        "speedup_vs_ar": round(choice["speedup_vs_ar"], 3),
+        "ar": fmt({k: v for k, v in by_tree[AR].items() if k != "tree"}),
+        "eagle2_default": fmt(by_tree[DEFAULT_TREE]),
+        "validation": f"{runs}, greedy, every tree decoded once per prompt, back to back; steady = rounds at "
+                      "their median time (spikes of load elsewhere removed); chosen: the drafting tree with the "
+                      "best steady tokens/s; speedup_vs_ar: median over prompts",
+        "finalists": [fmt(r) for r in rows],
+    }
+    if not choice["steady_tokens_per_s"] > by_tree[AR]["steady_tokens_per_s"]:
+        entry["warning"] = "no drafting tree beat autoregressive decoding on this device"
+    return choice, entry
+
+
 def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig], *, max_new_tokens: int = 64,
                    log: Callable[[str], None] = _log) -> dict:
     """No cost model: decode each tree of ``trees`` (with AR and the EAGLE-2 default) on every prompt with
@@ -430,27 +452,10 @@ def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig
         for cfg in trial:
             tuner.decode(list(prompts[0]), cfg, 8)
     _, rows = measure_trees(tuner, prompts, trial, max_new_tokens, log)
-    choice = pick(rows)
-    fmt = lambda r: {k: (label(v) if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
-    by_tree = {r["tree"]: r for r in rows}
-    entry = {
-        "tuned": True,
-        "method": "shortlist: every tree decoded for real, no cost model",
-        "compiled_rounds": bool(getattr(gen, "compile", False)),
-        "tokens_per_s": round(choice["tokens_per_s"], 3),
-        "steady_tokens_per_s": round(choice["steady_tokens_per_s"], 3),
-        "tau": round(choice["tau"], 3),
-        "speedup_vs_ar": round(choice["speedup_vs_ar"], 3),
-        "ar": fmt({k: v for k, v in by_tree[AR].items() if k != "tree"}),
-        "eagle2_default": fmt(by_tree[DEFAULT_TREE]),
-        "validation": f"{len(prompts)} prompts, {max_new_tokens} new tokens, greedy, every tree decoded once per "
-                      "prompt, back to back; steady = rounds at their median time; chosen: the drafting tree "
-                      "with the best steady tokens/s; speedup_vs_ar: median over prompts",
-        "finalists": [fmt(r) for r in rows],
-        "seconds": round(time.perf_counter() - start, 1),
-    }
-    if not choice["steady_tokens_per_s"] > by_tree[AR]["steady_tokens_per_s"]:
-        entry["warning"] = "no drafting tree beat autoregressive decoding on this device"
+    choice, entry = summarize(rows, f"{len(prompts)} prompts, {max_new_tokens} new tokens")
+    entry = {"tuned": True, "method": "shortlist: every tree decoded for real, no cost model",
+             "compiled_rounds": bool(getattr(gen, "compile", False)), **entry,
+             "seconds": round(time.perf_counter() - start, 1)}
     return {"tree": tree_dict(choice["tree"]), "measured": entry}
 
 
@@ -523,24 +528,12 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
         elif not cfg.drafts or cfg.top_k in costs.step_s:  # the model on this tree's measured tau
             row["predicted_tokens_per_s"] = predict(costs, cfg, [Replayed(len(r.tokens), r.forwards, r.prefill_s)
                                                                  for r in done])[1]
-    choice = pick(rows)
+    choice, summary = summarize(rows, f"first {len(vprompts)} prompts, {max_new_tokens} new tokens")
     errors = [abs(r["predicted_tokens_per_s"] / r["steady_tokens_per_s"] - 1) for r in rows
               if "predicted_tokens_per_s" in r]
-    by_tree = {r["tree"]: r for r in rows}
-    fmt = lambda r: {k: (label(v) if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
     entry = {
         "tuned": True,
-        "tokens_per_s": round(choice["tokens_per_s"], 3),
-        "steady_tokens_per_s": round(choice["steady_tokens_per_s"], 3),
-        "tau": round(choice["tau"], 3),
-        "speedup_vs_ar": round(choice["speedup_vs_ar"], 3),
-        "ar": fmt({k: v for k, v in by_tree[AR].items() if k != "tree"}),
-        "eagle2_default": fmt(by_tree[DEFAULT_TREE]),
-        "validation": f"first {len(vprompts)} prompts, {max_new_tokens} new tokens, greedy, every tree decoded once "
-                      "per prompt, back to back; steady = rounds at their median time (spikes of load elsewhere "
-                      "removed); chosen: the drafting tree with the best steady tokens/s; speedup_vs_ar: median "
-                      "over prompts",
-        "finalists": [fmt(r) for r in rows],
+        **summary,
         "model_error_vs_steady": {"median": round(statistics.median(errors), 3) if errors else None,
                                   "max": round(max(errors), 3) if errors else None},
         "replay": {
@@ -552,8 +545,6 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
         "costs_ms": costs.to_ms(),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    if not choice["steady_tokens_per_s"] > by_tree[AR]["steady_tokens_per_s"]:
-        entry["warning"] = "no drafting tree beat autoregressive decoding on this device"
     return {"tree": tree_dict(choice["tree"]), "measured": entry}
 
 
