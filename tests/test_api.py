@@ -37,6 +37,18 @@ def make_llama(seed: int = 0, vocab: int = VOCAB, **overrides):
     return model.float().eval()
 
 
+def save_target_and_head(root, head_seed: int):
+    """A tiny Llama target (make_llama, make_tokenizer) and a random head saved as local folders
+    root/target and root/head, as users pass them to the CLI and the benchmarks."""
+    model = make_llama(seed=0)
+    model.save_pretrained(root / "target")
+    make_tokenizer().save_pretrained(root / "target")
+    with torch.random.fork_rng():
+        torch.manual_seed(head_seed)
+        save_head(EagleHead(HeadConfig.for_target(model.config)), root / "head", dtype=torch.float32)
+    return root
+
+
 def noisy_copy(model, noise: float = 0.01, seed: int = 1):
     draft = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)

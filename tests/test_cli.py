@@ -18,54 +18,18 @@ import pytest
 import torch
 
 from fsd_eagle.cli import main
-from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.models import save_head
+from test_api import save_target_and_head
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention
 
-VOCAB = 128
 PROMPT = "w5 w17 w99 w3 w42 w64 w8"
 KEYS = ("text", "new_tokens", "target_forwards", "tau", "tokens_per_s", "fuzzy_accepted")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 
 
-def make_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      initializer_range=0.1)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
-    model.generation_config.eos_token_id = None
-    return model.float().eval()
-
-
-def make_tokenizer():
-    """Word-level: <unk> 0, <s> 1, </s> 2 (EOS), w3 .. w127; whitespace split; a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    words.update({f"w{i}": i for i in range(3, VOCAB)})
-    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        chat_template="{% for m in messages %}<s> {{ m['content'] }} {% endfor %}")
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_models")
-    model = make_llama()
-    model.save_pretrained(root / "target")
-    make_tokenizer().save_pretrained(root / "target")
-    with torch.random.fork_rng():
-        torch.manual_seed(3)
-        save_head(EagleHead(HeadConfig.for_target(model.config)), root / "head", dtype=torch.float32)
-    return root
+    return save_target_and_head(tmp_path_factory.mktemp("cli_models"), head_seed=3)
 
 
 def base_args(folders, *extra, head=True):

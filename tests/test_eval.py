@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_api import make_llama, make_tokenizer
+from test_api import make_llama, save_target_and_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eval/ is not installed: import it from the checkout
 
@@ -26,8 +26,6 @@ from eval.sweep import (DEFAULT_MAX_NEW_TOKENS, Config, ResultStore, build_confi
 from fsd_eagle.api import GenerationResult, SpeculativeGenerator  # noqa: E402
 from fsd_eagle.decode import DecodeStats  # noqa: E402
 from fsd_eagle.errors import ConfigError  # noqa: E402
-from fsd_eagle.head import EagleHead, HeadConfig  # noqa: E402
-from fsd_eagle.models import save_head  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -39,14 +37,7 @@ TREE = ["--total-tokens", "6", "--depth", "3", "--tree-top-k", "2", "--threads",
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eval_models")
-    model = make_llama(seed=0)
-    model.save_pretrained(root / "target")
-    make_tokenizer().save_pretrained(root / "target")
-    with torch.random.fork_rng():
-        torch.manual_seed(5)
-        save_head(EagleHead(HeadConfig.for_target(model.config)), root / "head", dtype=torch.float32)
-    return root
+    return save_target_and_head(tmp_path_factory.mktemp("eval_models"), head_seed=5)
 
 
 def sweep_args(folders, out, *extra):

@@ -378,13 +378,18 @@ def _one_line_error(capsys) -> str:
 @pytest.mark.parametrize("case", list(BAD_DATA))
 def test_bad_dataset_file(llama, tmp_path, capsys, case):
     content, expected = BAD_DATA[case]
-    data = tmp_path / "data.jsonl"
+    _assert_refused(llama, tmp_path, capsys, "data", tmp_path / "data.jsonl", content, expected)
+
+
+def _assert_refused(llama, tmp_path, capsys, arg: str, path: Path, content, expected: str) -> None:
+    """A run given ``path`` (holding ``content``; None = missing) as its ``arg`` input fails with exit 2 and
+    one error line that names the file and says ``expected``, and creates nothing."""
     if content is not None:
-        _write(data, content)
+        _write(path, content)
     out = tmp_path / "run"
-    assert main(llama.argv(out, data=data)) == 2
+    assert main(llama.argv(out, **{arg: path})) == 2
     err = _one_line_error(capsys)
-    assert expected in err and str(data) in err
+    assert expected in err and str(path) in err
     assert not out.exists()  # nothing created, let alone a head/ folder
 
 
@@ -450,11 +455,4 @@ def test_out_is_a_file(llama, tmp_path, capsys):
     (None, "not found"),
 ])
 def test_bad_recipe(llama, tmp_path, capsys, content, expected):
-    recipe = tmp_path / "recipe.json"
-    if content is not None:
-        _write(recipe, content)
-    out = tmp_path / "run"
-    assert main(llama.argv(out, recipe=recipe)) == 2
-    err = _one_line_error(capsys)
-    assert expected in err and str(recipe) in err
-    assert not out.exists()
+    _assert_refused(llama, tmp_path, capsys, "recipe", tmp_path / "recipe.json", content, expected)
