@@ -89,7 +89,7 @@ def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -
     """Mean milliseconds per round of each stage: draft tree, target forward (with the lm_head), verification,
     commits (both KV caches and the drafter's root step). Each stage is captured as its own CUDA graph (after
     torch.compile if ``compile``), the four replayed in turn as a round, timed with CUDA events."""
-    from fsd_eagle.decode import RoundState, _next_tokens
+    from fsd_eagle.decode import RoundState, commit_round
     from fsd_eagle.sampling import choose
     from fsd_eagle.tree import draft_tree
     from fsd_eagle.verify import AcceptanceRule, verify_tree
@@ -118,13 +118,7 @@ def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -
         box["v"] = verify_tree(box["tree"], box["logits"], rule)
 
     def commit():
-        v = box["v"]
-        target.commit(v.path, v.n_accepted)
-        nxt = _next_tokens(box["tree"], v)
-        r = drafter.commit(nxt, box["f"].index_select(0, v.path), v.n_accepted)
-        st.root_logits.copy_(r.logits)
-        st.root_state.copy_(r.state)
-        st.root_token.copy_(v.bonus)
+        commit_round(target, drafter, st, box["tree"], box["f"], box["v"])
 
     stages = {"draft_tree": draft, "target_forward": forward, "verify": verify, "commit": commit}
     if compile:

@@ -459,18 +459,16 @@ def resolve_tree(target: str | None, device_type: str, tree: dict | None) -> dic
     into a resumed sweep."""
     from types import SimpleNamespace
 
-    from fsd_eagle.config import TreeConfig
     from fsd_eagle.models import default_target_path
-    from fsd_eagle.trees_presets import load_presets, lookup, model_name
+    from fsd_eagle.trees_presets import TREE_KEYS as keys, model_name, preset_for, with_overrides
 
     tree = dict(tree or {})
-    keys = ("total_tokens", "depth", "top_k")
     if any(tree.get(k) is None for k in keys):
         # presets are filed under the folder's name, as from_pretrained sets config._name_or_path
         folder = Path(target) if target else default_target_path()
-        name = model_name(SimpleNamespace(_name_or_path=str(folder)))
-        base = lookup(load_presets(), name, device_type) or TreeConfig()
-        tree = {k: tree.get(k) if tree.get(k) is not None else getattr(base, k) for k in keys}
+        resolved = with_overrides(preset_for(model_name(SimpleNamespace(_name_or_path=str(folder))), device_type),
+                                  *(tree.get(k) for k in keys))
+        tree = {k: getattr(resolved, k) for k in keys}
     return {k: tree[k] for k in keys}
 
 

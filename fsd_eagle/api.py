@@ -106,11 +106,9 @@ class SpeculativeGenerator:
     def set_tree(self, total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None) -> TreeConfig:
         """Use the tuned preset for this target and device (trees/presets.json), with any value given here
         overriding it; returns the tree now in use."""
-        from .trees_presets import preset_tree
+        from .trees_presets import preset_tree, with_overrides
 
-        base = preset_tree(self.target)
-        tree = TreeConfig(total_tokens=base.total_tokens if total_tokens is None else total_tokens,
-                          depth=base.depth if depth is None else depth, top_k=base.top_k if top_k is None else top_k)
+        tree = with_overrides(preset_tree(self.target), total_tokens, depth, top_k)
         self._check_tree(tree)
         self.tree = tree
         return tree

@@ -80,6 +80,15 @@ def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tr
         tree = root_tree(state.root_token)
     features = target.forward_tree(tree.tokens, tree.depths, tree.anc)
     verdict = verify_tree(tree, target.logits(features), rule, generator)
+    next_tokens = commit_round(target, drafter, state, tree, features, verdict)
+    meta = torch.stack([verdict.n_accepted, verdict.fuzzy_extra, verdict.div_count]).double()
+    return torch.cat([meta, verdict.div_sum.double().reshape(1), next_tokens.double()])
+
+
+def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tree: DraftTree,
+                 features: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+    """Commit the accepted path to both KV caches and hand the next round its root (``state``, in place).
+    features: the target's ``[n, h]`` over the tree. Returns the P next tokens (see ``_next_tokens``)."""
     target.commit(verdict.path, verdict.n_accepted)
     next_tokens = _next_tokens(tree, verdict)
     if drafter is not None:
@@ -87,8 +96,7 @@ def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tr
         state.root_logits.copy_(root.logits)
         state.root_state.copy_(root.state)
     state.root_token.copy_(verdict.bonus)
-    meta = torch.stack([verdict.n_accepted, verdict.fuzzy_extra, verdict.div_count]).double()
-    return torch.cat([meta, verdict.div_sum.double().reshape(1), next_tokens.double()])
+    return next_tokens
 
 
 @functools.cache
@@ -240,10 +248,11 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     stats.new_tokens += 1
     stats.elapsed_s = time.perf_counter() - start
     yield [int(root_token)]
-    pending = runner.launch(generator) if produced < max_new_tokens else None
+    pending = None  # with a graph runner, the round launched ahead of the one read last
     while produced < max_new_tokens:
-        ahead = runner.launch(generator) if runner.use_graph else None
-        host = pending.result()  # the round's only host sync
+        current = pending or runner.launch(generator)
+        pending = runner.launch(generator) if runner.use_graph else None
+        host = current.result()  # the round's only host sync
         n_acc, fuzzy_extra, div_count, div_sum = int(host[0]), int(host[1]), int(host[2]), host[3]
         new = [int(t) for t in host[4: 4 + n_acc]][: max_new_tokens - produced]
         produced += len(new)
@@ -255,8 +264,6 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
         stats.accept_lengths.append(n_acc)
         stats.elapsed_s = time.perf_counter() - start
         yield new
-        if produced < max_new_tokens:
-            pending = ahead if ahead is not None else runner.launch(generator)
 
 
 def _next_tokens(tree: DraftTree, verdict: Verdict) -> torch.Tensor:

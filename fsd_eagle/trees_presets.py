@@ -19,6 +19,7 @@ Keys that begin with "_" are not model names. A model's name is the last part of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -81,5 +82,17 @@ def lookup(table: dict, name: str, device_type: str) -> TreeConfig | None:
 def preset_tree(target: Target, path: str | Path | None = None) -> TreeConfig:
     """The preset for this target's model name and device type, or TreeConfig() defaults."""
     config = getattr(getattr(target, "model", None), "config", None) or target.config  # a text sub-config has no name
-    found = lookup(load_presets(path), model_name(config), target.device.type)
+    return preset_for(model_name(config), target.device.type, path)
+
+
+def preset_for(name: str, device_type: str, path: str | Path | None = None) -> TreeConfig:
+    """The preset filed under a model name and device type, or TreeConfig() defaults."""
+    found = lookup(load_presets(path), name, device_type)
     return found if found is not None else TreeConfig()
+
+
+def with_overrides(base: TreeConfig, total_tokens: int | None = None, depth: int | None = None,
+                   top_k: int | None = None) -> TreeConfig:
+    """``base`` with every value given here (not None) replacing its own."""
+    given = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
