@@ -95,6 +95,7 @@ def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -
     from fsd_eagle.verify import AcceptanceRule, verify_tree
 
     target, drafter, cfg, rule = gen.target, gen.drafter, gen.tree, AcceptanceRule()
+    target.use_attention(gen.resolve_attention())
     dev = target.device
     ids = torch.tensor(gen.encode(prompt), device=dev)
     max_len = ids.shape[0] + (rounds + 8) * (cfg.depth + 1) + cfg.total_tokens + 8
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from eval.metrics import token_agreement
     from eval.tasks import load_mt_bench
     from fsd_eagle.api import SpeculativeGenerator
-    from fsd_eagle.config import FuzzyConfig, TreeConfig, parse_threshold
+    from fsd_eagle.config import FuzzyConfig, parse_threshold
 
     p = argparse.ArgumentParser(prog="python -m eval speed")
     p.add_argument("--target")
@@ -212,16 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threshold", default="1.0")
     p.add_argument("--divergence", default="kl")
-    p.add_argument("--total-tokens", type=int, default=60)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--tree-top-k", type=int, default=10)
+    p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, trees/presets.json)")
+    p.add_argument("--depth", type=int)
+    p.add_argument("--tree-top-k", type=int)
     p.add_argument("--skip-8b", action="store_true")
     p.add_argument("--compile", action="store_true", help="also measure rounds compiled with torch.compile")
     p.add_argument("--eager", action="store_true", help="also measure eager rounds (no CUDA graphs)")
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_speed.json"))
     a = p.parse_args(argv)
-    tree = TreeConfig(a.total_tokens, a.depth, a.tree_top_k)
-    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, tree=tree)
+    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype)
+    tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k)
     dev = gen.target.device
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
     fuzzy = FuzzyConfig(threshold=parse_threshold(a.threshold), divergence=a.divergence)
@@ -236,28 +237,35 @@ def main(argv: list[str] | None = None) -> int:
         gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
         for name, kwargs in (("ar", dict(autoregressive=True)), ("eagle2", {}), (fsd_name, dict(fuzzy=fuzzy))):
             row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)
-            rows.append({"method": f"{name}_{backend}", "backend": backend, **row})
+            rows.append({"method": f"{name}_{backend}", "backend": backend, "attention": gen.resolve_attention(), **row})
             partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], default=str))
             print(rows[-1]["method"], round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
     ar_rows = {r["backend"]: r for r in rows if r["method"].startswith("ar_")}
-    ar_out = ar_rows["graph"]["outputs"]
+    outputs = {r["method"]: r.pop("outputs", None) for r in rows}
     base_hf = rows[0]["tokens_per_s"]
+
+    def agreement(outs, ar_row) -> float:
+        ref = outputs[ar_row["method"]]
+        return round(statistics.mean(token_agreement(x, y) for x, y in zip(outs, ref)), 4)
+
     for row in rows:
         row["speedup_vs_hf"] = round(row["tokens_per_s"] / base_hf, 3)
-        base_ar = ar_rows.get(row["backend"], ar_rows["graph"])["tokens_per_s"]
-        row["speedup_vs_ar"] = round(row["tokens_per_s"] / base_ar, 3)  # our AR with the same backend
-        outs = row.pop("outputs", None)
+        same = ar_rows.get(row["backend"], ar_rows["graph"])  # our AR with the same backend (same kernels)
+        row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3)
+        outs = outputs[row["method"]]
         if outs is not None:
-            row["agreement_vs_ar"] = round(statistics.mean(token_agreement(x, y) for x, y in zip(outs, ar_out)), 4)
+            row["agreement_vs_ar"] = agreement(outs, same)
+            row["agreement_vs_ar_graph"] = agreement(outs, ar_rows["graph"])
         row["tokens_per_s"] = round(row["tokens_per_s"], 2)
         row["tau"] = round(row["tau"], 3)
         row["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
-    gen.cuda_graphs, gen.compile = True, a.compile
     extra = {}
     if dev.type == "cuda":
         for backend in backends[-2:] if a.compile else ["graph"]:
-            extra[f"stage_ms_per_round_{backend}"] = stage_breakdown(gen, prompts[0], compile=backend == "compiled")
+            gen.cuda_graphs, gen.compile = True, backend == "compiled"
+            extra[f"stage_ms_per_round_{backend}"] = stage_breakdown(gen, prompts[0], compile=gen.compile)
             print(backend, extra[f"stage_ms_per_round_{backend}"], flush=True)
+    gen.cuda_graphs, gen.compile = True, a.compile
     # Peak memory at a 2048-token context: AR vs EAGLE-2 (graphs), prompt of 1900 tokens + 128 new.
     long_prompt = list(range(1000, 2900))
     mem = {}

@@ -10,6 +10,7 @@ import torch
 
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode
+from .attention import check_backend
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, HeadMismatchError, InputError
 from .head import EagleHead, HeadConfig
@@ -61,6 +62,7 @@ class SpeculativeGenerator:
         self.tree = tree
         self.cuda_graphs = True  # replay each round as a CUDA graph on GPUs (greedy rules)
         self.compile = False  # compile the round with torch.compile before capture (GPUs; ~1 min once per setup)
+        self.attention: str | None = None  # tree-attention backend of rounds (None: chosen per device, see use_attention)
         self._runners: dict = {}
         self.drafter: SlotDrafter | None = None
         if head is not None and draft_model is not None:
@@ -112,6 +114,20 @@ class SpeculativeGenerator:
         self._check_tree(tree)
         self.tree = tree
         return tree
+
+    def use_attention(self, backend: str | None) -> None:
+        """Tree-attention backend of rounds: "sdpa", "flex" or None (the default: "flex" for compiled GPU
+        rounds, where it measured fastest, else "sdpa"); see fsd_eagle.attention."""
+        if backend is not None:
+            check_backend(backend, self.target.config)
+        self.attention = backend
+
+    def resolve_attention(self) -> str:
+        """The backend rounds use with the current settings (``attention``, or the per-device default)."""
+        if self.attention is not None:
+            return self.attention
+        compiled = self.compile and self.cuda_graphs and self.target.device.type == "cuda"
+        return "flex" if compiled and not getattr(self.target.config, "attn_logit_softcapping", None) else "sdpa"
 
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:
@@ -209,7 +225,11 @@ class SpeculativeGenerator:
     def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
         """The reusable round runner (state buffers, captured graph) for this drafter, tree and rule."""
         drafter = drafter if self.tree.drafts else None
-        key = (drafter is not None, self.tree, rule, self.cuda_graphs, self.compile)
+        backend = self.resolve_attention()
+        self.target.use_attention(backend)
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.model.use_attention(backend)
+        key = (drafter is not None, self.tree, rule, self.cuda_graphs, self.compile, backend)
         if key not in self._runners:
             self._runners[key] = RoundRunner(self.target, drafter, self.tree, rule,
                                              use_graph=None if self.cuda_graphs else False, compile=self.compile)

@@ -16,8 +16,9 @@ class SlotCache(Cache):
     seen by the model as a ``[1, H_kv, S, D]`` pair per layer; one buffer lets ``compact`` move every
     layer's rows in a single gather and scatter instead of two per layer.
 
-    ``write_slots`` (a fixed tensor, updated in place before each forward) says where ``update`` writes the
-    new keys and values; attention always reads all S rows, the caller's mask hides the unused ones.
+    ``write_slots`` (a fixed ``[S]`` buffer: its first n entries are set in place before a forward of n
+    tokens) says where ``update`` writes the new keys and values; attention always reads all S rows, the
+    caller's mask hides the unused ones.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
@@ -28,11 +29,15 @@ class SlotCache(Cache):
         self.kv = torch.zeros((2, num_layers, 1, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
         self.keys = list(self.kv[0].unbind(0))
         self.values = list(self.kv[1].unbind(0))
-        self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
+        self.write_slots = torch.zeros(max_len, dtype=torch.long, device=device)
+
+    def set_write_slots(self, slots: torch.Tensor) -> None:
+        """Where the next forward's n = len(slots) tokens go (in place: a captured graph keeps the address)."""
+        self.write_slots[: slots.shape[0]].copy_(slots)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = self.write_slots
+        slots = self.write_slots[: key_states.shape[2]]
         self.keys[layer_idx].index_copy_(2, slots, key_states)
         self.values[layer_idx].index_copy_(2, slots, value_states)
         return self.keys[layer_idx], self.values[layer_idx]

@@ -14,8 +14,9 @@ from typing import Iterator
 
 import torch
 
-from .config import TreeConfig
+from .config import SamplingConfig, TreeConfig
 from .drafter import DraftRoot, SlotDrafter
+from .ops import pick
 from .sampling import choose
 from .target import Target
 from .tree import DraftTree, draft_tree, root_tree
@@ -32,6 +33,7 @@ class DecodeStats:
     divergence_sum: float = 0.0
     divergence_count: int = 0
     elapsed_s: float = 0.0
+    prefill_s: float = 0.0  # time to the first token (prefill of target and drafter)
     accept_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -65,6 +67,27 @@ class RoundState:
     root_token: torch.Tensor
     root_logits: torch.Tensor | None = None
     root_state: torch.Tensor | None = None
+
+
+def prefill(target: Target, drafter: SlotDrafter | None, ids: torch.Tensor, n: torch.Tensor,
+            sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, DraftRoot | None]:
+    """Prompt -> both KV caches (emptied by ``allocate``). ids ``[Lb]``: the prompt in its first n entries
+    (n a 0-dim tensor), padding after it, so that one captured graph serves every prompt of a bucket (the
+    padding's cache rows lie past the prefix: masked, then overwritten). Returns the target's first token
+    (0-dim) and the drafter's root (None without a drafter)."""
+    features = target.prefill(ids)
+    target.length.copy_(n)
+    root_token = choose(target.logits(pick(features, n - 1)[None])[0], sampling, generator)
+    if drafter is None:
+        return root_token, None
+    tokens = torch.cat([ids, ids[:1]]).index_copy(0, n.reshape(1), root_token.reshape(1))
+    return root_token, drafter.prefill(tokens, features, n)
+
+
+def prefill_bucket(prompt_len: int) -> int:
+    """Padded prompt length of a captured prefill: the next power of two, at least 64 (few graphs, each
+    prefill at most twice its length: cheap, as a prefill's time is kernel launches, not arithmetic)."""
+    return max(64, 1 << (prompt_len - 1).bit_length())
 
 
 def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tree_cfg: TreeConfig,
@@ -142,6 +165,43 @@ class RoundRunner:
         self.captured_for: tuple = ()
         self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)
         self.turn = 0
+        # Captured prefills by padded length: (ids buffer, n buffer, graph, (root_token, root)).
+        self.prefills: dict[int, tuple] = {}
+        self.prefills_for: tuple = ()
+
+    def prompt_slots(self, prompt_len: int) -> int:
+        """Cache rows the prefill writes: the padded length in graph mode."""
+        return prefill_bucket(prompt_len) if self.use_graph else prompt_len
+
+    def prefill(self, prompt_ids: torch.Tensor, generator: torch.Generator | None):
+        """``prefill`` of the prompt ``[L]`` (caches allocated): eagerly, or in graph mode by replaying the
+        graph captured for its bucket (the eager HF forward costs ~25 ms of host time on the H200, its
+        replay a few ms). Returns (root_token, root) as ``prefill``."""
+        n = prompt_ids.shape[0]
+        sampling = self.rule.sampling
+        if not self.use_graph:
+            return prefill(self.target, self.drafter, prompt_ids, torch.tensor(n, device=prompt_ids.device),
+                           sampling, generator)
+        caches = (self.target.cache, getattr(self.drafter, "cache", None))
+        if any(a is not b for a, b in zip(caches, self.prefills_for)):
+            self.prefills, self.prefills_for = {}, caches  # graphs hold cache addresses
+        size = prefill_bucket(n)
+        if size not in self.prefills:
+            ids = torch.zeros(size, dtype=torch.long, device=prompt_ids.device)
+            length = torch.zeros((), dtype=torch.long, device=prompt_ids.device)
+            length.fill_(n)
+            ids[:n].copy_(prompt_ids)
+            fn = lambda: prefill(self.target, self.drafter, ids, length, sampling, None)  # noqa: E731
+            captured = capture(fn, [self.target.length] + ([self.drafter.length] if self.drafter else []))
+            if captured is None:
+                return fn()
+            self.prefills[size] = (ids, length, *captured)
+        ids, length, graph, out = self.prefills[size]
+        ids.zero_()
+        ids[:n].copy_(prompt_ids)
+        length.fill_(n)
+        graph.replay()
+        return out
 
     def start(self, root_token: torch.Tensor, root: DraftRoot | None) -> None:
         """Load the prefill's results into the persistent state."""
@@ -234,21 +294,22 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     if runner is None:
         runner = RoundRunner(target, drafter, tree_cfg, rule, use_graph=False)
     start = time.perf_counter()
-    max_len = plan_cache(prompt_ids.shape[0], max_new_tokens, tree_cfg, 2048 if target.device.type == "cuda" else 256)
+    granularity = 2048 if target.device.type == "cuda" else 256
+    max_len = plan_cache(runner.prompt_slots(prompt_ids.shape[0]), max_new_tokens, tree_cfg, granularity)
     target.allocate(max_len)
-    features = target.prefill(prompt_ids)
-    root_token = choose(target.logits(features[-1:])[0], rule.sampling, generator)
-    root: DraftRoot | None = None
     if drafting:
         drafter.allocate(max_len, tree_cfg)
-        root = drafter.prefill(torch.cat([prompt_ids, root_token[None]]), features)
+    root_token, root = runner.prefill(prompt_ids, generator)
     runner.start(root_token, root)
+    # With a graph runner, the round launched ahead of the one read last (the first one before the prefill
+    # is read).
+    pending = runner.launch(generator) if runner.use_graph and max_new_tokens > 1 else None
     stats.target_forwards += 1
     produced = 1
     stats.new_tokens += 1
-    stats.elapsed_s = time.perf_counter() - start
-    yield [int(root_token)]
-    pending = None  # with a graph runner, the round launched ahead of the one read last
+    first = int(root_token)  # waits for the prefill
+    stats.elapsed_s = stats.prefill_s = time.perf_counter() - start
+    yield [first]
     while produced < max_new_tokens:
         current = pending or runner.launch(generator)
         pending = runner.launch(generator) if runner.use_graph else None

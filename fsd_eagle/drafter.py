@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import FLEX_BLOCK, no_cudnn, prepare_mask
 from .cache import attention_mask
 from .config import TreeConfig
 from .head import EagleHead
@@ -34,22 +35,24 @@ class SlotDrafter:
     length: torch.Tensor  # committed rows (0-dim long tensor)
     max_len: int
 
-    def _forward(self, tokens, states, positions, slots, mask) -> torch.Tensor:
+    def _forward(self, tokens, states, positions, slots, mask, backend: str | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     @torch.no_grad()
-    def commit(self, next_tokens: torch.Tensor, features: torch.Tensor, n_accepted: torch.Tensor) -> DraftRoot:
+    def commit(self, next_tokens: torch.Tensor, features: torch.Tensor, n_accepted: torch.Tensor,
+               backend: str | None = None) -> DraftRoot:
         """Consume the accepted path: next_tokens ``[P]`` (the token after each path node: accepted drafts,
         then the bonus), the target's features at the path nodes ``[P, h]``; only the first ``n_accepted``
-        rows count (the rest is padding written to scratch slots)."""
+        rows count (the rest is padding written to scratch slots). ``backend``: of attention (default: the
+        target's)."""
         n = next_tokens.shape[0]
         idx = torch.arange(n, device=next_tokens.device)
         slots = self.length + idx
         mask = attention_mask(self.length, slots, idx.unsqueeze(1) >= idx.unsqueeze(0), self.max_len)
-        states = self._forward(next_tokens, features, slots, slots, mask)
+        states = self._forward(next_tokens, features, slots, slots, mask, backend)
         state = pick(states, n_accepted - 1)
         self.length += n_accepted
         return DraftRoot(self._logits(state[None])[0], state)
@@ -77,22 +80,28 @@ class EagleDrafter(SlotDrafter):
 
     def allocate(self, max_len: int, tree: TreeConfig) -> None:
         size = max_len + (tree.depth - 1) * tree.top_k
+        if self.target.attention == "flex":
+            size = -(-size // FLEX_BLOCK) * FLEX_BLOCK
         if self.cache is None or self.max_len < size:
             self.cache = self.head.new_cache(size, self.target.device, self.target.dtype)
             self.max_len = size
         self.length.zero_()
 
-    def _forward(self, tokens, states, positions, slots, mask):
+    def _forward(self, tokens, states, positions, slots, mask, backend=None):
         embeds = self.target.embed(tokens)
-        return self.head(embeds[None], states[None].to(embeds.dtype), positions[None], self.cache, slots, mask[None])[0]
+        mask = prepare_mask(mask, backend or self.target.attention, embeds.dtype)
+        return self.head(embeds[None], states[None].to(embeds.dtype), positions[None], self.cache, slots, mask)[0]
 
     def _logits(self, states):
         return self.target.logits(states)
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftRoot:
-        """tokens ``[L + 1]`` (the prompt and the target's first token), the target's features ``[L, h]``."""
-        return self.commit(tokens[1:], features, torch.tensor(features.shape[0], device=features.device))
+    def prefill(self, tokens: torch.Tensor, features: torch.Tensor, n: torch.Tensor | None = None) -> DraftRoot:
+        """tokens ``[L + 1]`` (the prompt and the target's first token), the target's features ``[L, h]``.
+        With ``n`` (0-dim tensor), only the first n + 1 tokens and n features are real (a padded prompt)."""
+        n = torch.tensor(features.shape[0], device=features.device) if n is None else n
+        with no_cudnn():
+            return self.commit(tokens[1:], features, n, "sdpa")
 
 
 class ModelDrafter(SlotDrafter):
@@ -111,13 +120,18 @@ class ModelDrafter(SlotDrafter):
     def cache(self):
         return self.model.cache
 
-    def _forward(self, tokens, states, positions, slots, mask):
-        return self.model.run(tokens, positions, slots, mask)
+    def _forward(self, tokens, states, positions, slots, mask, backend=None):
+        return self.model.run(tokens, positions, slots, mask, backend)
 
     def _logits(self, states):
         return self.model.logits(states)
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftRoot:
+    def prefill(self, tokens: torch.Tensor, features: torch.Tensor, n: torch.Tensor | None = None) -> DraftRoot:
+        """See EagleDrafter.prefill (the target's features are not used)."""
         f = self.model.prefill(tokens)
-        return DraftRoot(self.model.logits(f[-1:])[0], f[-1])
+        if n is None:
+            return DraftRoot(self.model.logits(f[-1:])[0], f[-1])
+        self.model.length.copy_(n + 1)
+        state = pick(f, n)
+        return DraftRoot(self.model.logits(state[None])[0], state)

@@ -16,6 +16,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from .attention import attend
+
 
 @dataclass
 class HeadConfig:
@@ -102,23 +104,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "HeadCache",
-                slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x ``[B, n, h]``; cos/sin ``[B, n, d]``; mask ``[B, n, S]`` bool or None (causal over x, no cache)."""
+                slots: torch.Tensor, mask) -> torch.Tensor:
+        """x ``[B, n, h]``; cos/sin ``[B, n, d]``; mask: None (training: causal over x, no cache) or, with a
+        cache (B = 1), a mask prepared by ``attention.prepare_mask``."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.n_heads, self.dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.n_kv, self.dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if kv is not None:
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads > self.n_kv)
+        else:
             kv.keys.index_copy_(2, slots, k)
             kv.values.index_copy_(2, slots, v)
-            k, v = kv.keys, kv.values
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+            out = attend(q, kv.keys, kv.values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -176,8 +175,8 @@ class EagleHead(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """embeds e(x_{t+1}) and features f_t ``[B, n, h]``, positions ``[B, n]`` -> predicted f_{t+1} ``[B, n, h]``.
 
-        With a cache: keys/values go to ``slots`` ``[n]`` (B = 1) and ``mask`` ``[B, n, S]`` says what each row
-        sees. Without (training): plain causal attention over the n rows.
+        With a cache: keys/values go to ``slots`` ``[n]`` (B = 1) and ``mask`` (``[n, S]`` prepared by
+        ``attention.prepare_mask``) says what each row sees. Without (training): causal attention over the n rows.
         """
         x = self.fc(torch.cat((embeds, features), dim=-1))
         cos, sin = self.rotary(x, positions)

@@ -12,6 +12,7 @@ import inspect
 import torch
 from torch import nn
 
+from . import attention
 from .cache import SlotCache, attention_mask, key_positions
 from .errors import ConfigError
 
@@ -20,7 +21,8 @@ class Target:
     """Wraps an ``AutoModelForCausalLM`` without changing its modeling code.
 
     Attributes: ``model``, ``config`` (the text config), ``hidden_size``, ``vocab_size``, ``device``,
-    ``dtype``, ``length`` (0-dim long tensor on the device: committed prefix length L).
+    ``dtype``, ``length`` (0-dim long tensor on the device: committed prefix length L), ``attention`` (the
+    tree-attention backend, see fsd_eagle.attention; set with ``use_attention``).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -43,6 +45,17 @@ class Target:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.cache: SlotCache | None = None
         self.length = torch.zeros((), dtype=torch.long, device=self.device)
+        self.attention = "sdpa"
+
+    def use_attention(self, backend: str) -> None:
+        """Switch the tree-attention backend of rounds ("sdpa" or "flex", see fsd_eagle.attention; prefills
+        always use "sdpa"). For "flex" the model runs our registered attention function, which leaves
+        transformers' own calls (``generate``) on stock SDPA."""
+        attention.check_backend(backend, self.config)
+        if backend == "flex":
+            attention.register()
+            self.model.set_attn_implementation(attention.ATTENTION_NAME)
+        self.attention = backend
 
     @property
     def num_kv_heads(self) -> int:
@@ -54,37 +67,38 @@ class Target:
 
     def allocate(self, max_len: int) -> None:
         """(Re)allocate the cache for ``max_len`` slots only when it is too small; reset the length."""
+        max_len = -(-max_len // attention.FLEX_BLOCK) * attention.FLEX_BLOCK if self.attention == "flex" else max_len
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = SlotCache(self.config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_len,
                                    self.dtype, self.device)
         self.length.zero_()
 
     @torch.no_grad()
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One forward over new tokens. tokens, positions, slots: ``[n]``; mask: ``[n, S]`` bool. Returns f ``[n, h]``."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+            backend: str | None = None) -> torch.Tensor:
+        """One forward over new tokens. tokens, positions, slots: ``[n]``; mask: ``[n, S]`` bool; ``backend``
+        of attention (default: ``self.attention``). Returns f ``[n, h]``."""
         cache = self.cache
         if cache is None:
             raise ConfigError("Target.allocate(max_len) must be called before a forward")
-        cache.write_slots = slots
-        masks = self._masks(mask, positions, slots)
+        cache.set_write_slots(slots)
+        masks = self._masks(mask, positions, slots, backend or self.attention)
         out = self.base(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), attention_mask=masks,
                         use_cache=True, **{self.cache_kwarg: cache})
         return out.last_hidden_state[0]
 
-    def _masks(self, mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-        """Additive 4D mask(s); sliding-window layers get the window applied to key positions too. Models
-        without ``layer_types`` (Mistral, Phi-3, ...) slide on every layer whenever ``sliding_window`` is set."""
+    def _masks(self, mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, backend: str):
+        """The mask(s) in the attention backend's form; sliding-window layers get the window applied to key
+        positions too. Models without ``layer_types`` (Mistral, Phi-3, ...) slide on every layer whenever
+        ``sliding_window`` is set."""
         if not self.sliding_window or (self.layer_types and "sliding_attention" not in self.layer_types):
-            return self._additive(mask)
+            return attention.prepare_mask(mask, backend, self.dtype)
         kpos = key_positions(slots, positions, mask.shape[1])
-        window = self._additive(mask & (positions.unsqueeze(1) - kpos.unsqueeze(0) < self.sliding_window))
+        in_window = positions.unsqueeze(1) - kpos.unsqueeze(0) < self.sliding_window
+        window = attention.prepare_mask(mask & in_window, backend, self.dtype)
         if not self.layer_types:
             return window
-        return {"full_attention": self._additive(mask), "sliding_attention": window}
-
-    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
-        neg = torch.finfo(self.dtype).min
-        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, neg)[None, None]
+        return {"full_attention": attention.prepare_mask(mask, backend, self.dtype), "sliding_attention": window}
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """lm_head (with the model's final soft-capping, if any) in float32: ``[n, h] -> [n, V]``."""
@@ -99,7 +113,8 @@ class Target:
         n = tokens.shape[0]
         pos = torch.arange(n, device=self.device)
         causal = pos.unsqueeze(1) >= pos.unsqueeze(0)
-        features = self.run(tokens, pos, pos, attention_mask(self.length, pos, causal, self.cache.max_len))
+        with attention.no_cudnn():
+            features = self.run(tokens, pos, pos, attention_mask(self.length, pos, causal, self.cache.max_len), "sdpa")
         self.length.fill_(n)
         return features
 

@@ -21,10 +21,12 @@ from hypothesis import strategies as st
 
 import fsd_eagle.verify as verify_module
 from conftest import tiny_model
+from fsd_eagle.attention import BACKENDS
 from fsd_eagle.config import SamplingConfig, TreeConfig
-from fsd_eagle.decode import (DecodeStats, PendingRound, RoundRunner, compiled_round, decode, plan_cache,
-                              run_round)
+from fsd_eagle.decode import (DecodeStats, PendingRound, RoundRunner, compiled_round, decode, plan_cache, prefill,
+                              prefill_bucket, run_round)
 from fsd_eagle.drafter import EagleDrafter, ModelDrafter
+from fsd_eagle.errors import ConfigError
 from fsd_eagle.head import EagleHead, HeadConfig
 from fsd_eagle.models import load_head, save_head
 from fsd_eagle.target import Target
@@ -93,12 +95,16 @@ def arch_model(request):
 
 
 @torch.no_grad()
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "mistral"])
-def test_target_logits_match_the_models_own_forward(arch):
+def test_target_logits_match_the_models_own_forward(arch, backend):
     """Target.prefill / forward_tree (tree masks, positions, slot cache, sliding window, soft-capping) give
-    the logits of the model's default forward over prefix + root path, also after a commit."""
-    model = cached_model(arch)
+    the logits of the model's default forward over prefix + root path, also after a commit, with every
+    tree-attention backend."""
+    model = copy.deepcopy(cached_model(arch))  # use_attention switches the model's attention function
     target = Target(model)
+    target.use_attention(backend)
     target.allocate(64)
     gen = torch.Generator().manual_seed(3)
     seq = torch.randint(0, 128, (10,), generator=gen)  # longer than the sliding windows (6 tokens)
@@ -159,10 +165,42 @@ def test_greedy_decoding_is_exact_with_a_window_on_every_layer(kind):
     check_greedy_exact("mistral", cached_model("mistral"), kind, seeds=(0,))
 
 
-def check_greedy_exact(arch, model, kind, seeds):
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_decoding_is_exact_with_flex_attention(arch):
+    """FlexAttention block masks (eager reference form; the compiled form is checked below)."""
+    model = copy.deepcopy(cached_model(arch))
+    backend = "flex"
+    for kind in ("eagle", "noisy"):
+        check_greedy_exact(arch, model, kind, seeds=(0,), backend=backend)
+
+
+def test_flex_backend_leaves_transformers_generate_on_stock_sdpa(tiny_llama):
+    """The registered attention function hands masks that are not ours to transformers' SDPA."""
+    prompt = random_prompt(0, 128)[None]
+    model = copy.deepcopy(tiny_llama)
+    before = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    Target(model).use_attention("flex")
+    assert model.config._attn_implementation == "fsd_eagle"
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), before)
+
+
+def test_attention_backend_errors(tiny_llama, tiny_gemma3):
+    with pytest.raises(ConfigError, match="one of sdpa, flex"):
+        Target(tiny_llama).use_attention("flash")
+    capped = copy.deepcopy(tiny_gemma3)
+    capped.config.attn_logit_softcapping = 50.0
+    with pytest.raises(ConfigError, match="soft-capping"):
+        Target(capped).use_attention("flex")
+
+
+def check_greedy_exact(arch, model, kind, seeds, backend="sdpa"):
     """decode == the reference loop for every tree shape (and AR decoding), with acceptance checks."""
     target = Target(model)
     drafter = _drafter(kind, model, target)
+    target.use_attention(backend)
+    if isinstance(drafter, ModelDrafter):
+        drafter.model.use_attention(backend)
     n_new = 24
     rejected_somewhere = False
     for seed in seeds:
@@ -819,21 +857,31 @@ class AheadRunner(RoundRunner):
         self.launches += 1
         return PendingRound(run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator))
 
+    def prefill(self, prompt_ids, generator):
+        """Padded to its bucket, as a graph runner's prefill is."""
+        n = prompt_ids.shape[0]
+        ids = torch.zeros(prefill_bucket(n), dtype=torch.long)
+        ids[:n] = prompt_ids
+        return prefill(self.target, self.drafter, ids, torch.tensor(n), self.rule.sampling, generator)
+
 
 @pytest.mark.parametrize("tree", ["chain", "tiny", "default"])
 def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree):
     """The round launched ahead of the last one is computed in vain but changes nothing, and fits the cache:
     max_new_tokens is chosen so that plan_cache's need is exactly a multiple of its granularity, and the
-    self-draft accepts whole paths, so the last round overshoots max_new_tokens as far as it can."""
+    self-draft accepts whole paths, so the last round overshoots max_new_tokens as far as it can. The
+    prompt is padded to its bucket, as graph runners do."""
     cfg = TREES[tree]
     target = Target(tiny_llama)
     drafter = _drafter("self", tiny_llama, target)
     prompt = random_prompt(3, 128)
-    n = 256 - prompt.shape[0] - 2 * cfg.depth - cfg.total_tokens - 3
-    assert plan_cache(prompt.shape[0], n, cfg) == 256 and plan_cache(prompt.shape[0], n + 1, cfg) == 512
+    runner = AheadRunner(target, drafter, cfg, GREEDY)
+    slots = runner.prompt_slots(prompt.shape[0])
+    assert slots == 64 > prompt.shape[0]
+    n = 256 - slots - 2 * cfg.depth - cfg.total_tokens - 3
+    assert plan_cache(slots, n, cfg) == 256 and plan_cache(slots, n + 1, cfg) == 512
     ref, _ = run_decode(target, drafter, prompt, n, cfg)
     assert ref == reference_greedy(tiny_llama, prompt, n)
-    runner = AheadRunner(target, drafter, cfg, GREEDY)
     stats = DecodeStats()
     out = [t for new in decode(target, drafter, prompt, n, cfg, GREEDY, None, stats, runner) for t in new]
     assert out == ref
@@ -842,21 +890,47 @@ def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree):
     assert max(stats.accept_lengths) == longest or tree == "default"
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["eagle", "noisy"])
+def test_padded_prefill_equals_the_plain_one(tiny_llama, kind):
+    """A prompt padded to its bucket (graph runners) leaves the same prefix and roots as the plain prefill."""
+    prompt = random_prompt(2, 128)
+    cfg = TREES["default"]
+    results = []
+    for size in (prompt.shape[0], prefill_bucket(prompt.shape[0])):
+        target = Target(tiny_llama)
+        drafter = _drafter(kind, tiny_llama, target)
+        target.allocate(256)
+        drafter.allocate(256, cfg)
+        ids = torch.full((size,), 7)
+        ids[: prompt.shape[0]] = prompt
+        root_token, root = prefill(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.sampling, None)
+        results.append((root_token, root.logits, root.state, int(target.length), int(drafter.length)))
+    assert prefill_bucket(prompt.shape[0]) > prompt.shape[0]
+    for plain, padded in zip(*results):
+        torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+
+
 def _has_cpu_compiler() -> bool:
     include = sysconfig.get_paths().get("include", "")
     return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
 
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
-def test_compiled_round_equals_the_eager_round(tiny_llama):
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_compiled_round_equals_the_eager_round(tiny_llama, backend):
     """What the GPU path compiles (decode.compiled_round, one graph for the whole round) gives the eager
     round's outputs, round after round, with a head drafter and a tree whose paths are partly accepted."""
     torch._dynamo.reset()
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
     results = []
+    model = copy.deepcopy(tiny_llama)
     for fn in (run_round, compiled_round()):
-        target = Target(tiny_llama)
-        drafter = _drafter("noisy", tiny_llama, target)
+        target = Target(model)
+        drafter = _drafter("noisy", model, target)
+        target.use_attention(backend)
+        drafter.model.use_attention(backend)
         prompt = random_prompt(1, 128)
         runner = RoundRunner(target, drafter, cfg, GREEDY, use_graph=False)
         next(decode(target, drafter, prompt, 2, cfg, GREEDY, None, DecodeStats(), runner))  # prefill only

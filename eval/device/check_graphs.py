@@ -3,6 +3,7 @@ the same tokens as eager rounds; how long a round takes each way (and how long c
 
     python eval/device/check_graphs.py            # the default model and its shipped head
     python eval/device/check_graphs.py --tiny     # a small random Llama and head (no model files needed)
+    python eval/device/check_graphs.py --tiny --attention packed   # another tree-attention backend
 """
 
 import sys
@@ -42,6 +43,8 @@ def tiny_generator() -> SpeculativeGenerator:
 
 tiny = "--tiny" in sys.argv
 gen = tiny_generator() if tiny else SpeculativeGenerator.load(device="cuda", dtype="bfloat16")
+if "--attention" in sys.argv:
+    gen.use_attention(sys.argv[sys.argv.index("--attention") + 1])
 prompt = list(range(10, 60)) if tiny else "Explain how a transformer language model generates text, step by step."
 kw = dict(chat=False) if tiny else {}
 gen.cuda_graphs = False

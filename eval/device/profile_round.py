@@ -1,0 +1,101 @@
+"""Where the time of a decoding call goes on a GPU, per tree-attention backend (compiled rounds + graphs).
+
+For each backend and method (AR, EAGLE-2): tokens/s over MT-bench first turns, time to the first token
+(prefill), wall ms per round after it, and ms per round when the captured round is replayed back to back
+(the GPU's own time: the difference is host overhead). Then a kernel table of one EAGLE-2 round.
+
+    python eval/device/profile_round.py --backends sdpa,packed,flex --out $OUT/profile.json
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from eval.tasks import load_mt_bench  # noqa: E402
+from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
+from fsd_eagle.config import TreeConfig  # noqa: E402
+
+
+def replay_ms(runner, rounds: int = 20) -> float:
+    """GPU ms per round of the captured round, replayed back to back (state advances as in decoding)."""
+    graph, _ = runner.graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / rounds
+
+
+def kernel_table(runner, rounds: int = 5, top: int = 25) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = runner.graph
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0 and e.count >= rounds]
+    total = sum(e.self_device_time_total for e in rows) / rounds / 1000
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return {"kernels_per_round": sum(e.count for e in rows) / rounds, "kernel_ms_per_round": round(total, 3),
+            "top": [{"name": e.key[:90], "per_round": e.count / rounds,
+                     "ms_per_round": round(e.self_device_time_total / rounds / 1000, 4)} for e in rows[:top]]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backends", default="sdpa,packed,flex")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", help="total/depth/top_k (default: the device's preset)")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    tree = TreeConfig(*map(int, a.tree.split("/"))) if a.tree else None
+    gen = SpeculativeGenerator.load(device="cuda", dtype="bfloat16", tree=tree, compile=not a.no_compile)
+    prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
+    out = {"tree": str(gen.tree), "compile": not a.no_compile, "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "rows": []}
+    for backend in a.backends.split(","):
+        gen.use_attention(backend)
+        for name, ar in (("ar", True), ("eagle2", False)):
+            t = time.perf_counter()
+            gen.generate(max(prompts, key=len), a.max_new_tokens, autoregressive=ar)
+            warm = time.perf_counter() - t
+            tokens = secs = 0.0
+            prefill, per_round, taus = [], [], []
+            for prompt in prompts:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                r = gen.generate(prompt, a.max_new_tokens, autoregressive=ar)
+                torch.cuda.synchronize()
+                secs += time.perf_counter() - t
+                s = r.stats
+                tokens += s.new_tokens
+                prefill.append(s.prefill_s * 1000)
+                per_round.append(1000 * (s.elapsed_s - s.prefill_s) / max(1, s.target_forwards - 1))
+                taus.append(s.tau)
+            runner = next(rn for k, rn in gen._runners.items() if k[0] == (not ar) and k[-1] == backend)
+            gen.generate(prompts[0], 1, autoregressive=ar)  # fresh state: replays below decode after a prefill
+            row = {"backend": backend, "method": name, "warmup_s": round(warm, 1), "tokens_per_s": round(tokens / secs, 1),
+                   "tau": round(statistics.mean(taus), 3), "prefill_ms": round(statistics.mean(prefill), 2),
+                   "wall_ms_per_round": round(statistics.mean(per_round), 3),
+                   "replay_ms_per_round": round(replay_ms(runner), 3) if runner.graph else None}
+            if not ar and runner.graph:
+                gen.generate(prompts[0], 1)
+                row["kernels"] = kernel_table(runner)
+            out["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+            Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
