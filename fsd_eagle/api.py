@@ -226,13 +226,10 @@ class SpeculativeGenerator:
         """The reusable round runner (state buffers, captured graph) for this drafter, tree and rule."""
         drafter = drafter if self.tree.drafts else None
         backend = self.resolve_attention()
-        self.target.use_attention(backend)
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.model.use_attention(backend)
         key = (drafter is not None, self.tree, rule, self.cuda_graphs, self.compile, backend)
         if key not in self._runners:
-            self._runners[key] = RoundRunner(self.target, drafter, self.tree, rule,
-                                             use_graph=None if self.cuda_graphs else False, compile=self.compile)
+            self._runners[key] = RoundRunner(self.target, drafter, self.tree, rule, compile=self.compile,
+                                             use_graph=None if self.cuda_graphs else False, attention=backend)
         return self._runners[key]
 
     def _run(self, call: _Call) -> Iterator[str | GenerationResult]:

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from .config import SamplingConfig, TreeConfig
-from .drafter import DraftRoot, SlotDrafter
+from .drafter import DraftRoot, ModelDrafter, SlotDrafter
 from .ops import pick
 from .sampling import choose
 from .target import Target
@@ -153,8 +153,9 @@ class RoundRunner:
     """
 
     def __init__(self, target: Target, drafter: SlotDrafter | None, tree_cfg: TreeConfig, rule: AcceptanceRule,
-                 use_graph: bool | None = None, compile: bool = False) -> None:
+                 use_graph: bool | None = None, compile: bool = False, attention: str = "sdpa") -> None:
         self.target, self.drafter, self.tree_cfg, self.rule = target, drafter, tree_cfg, rule
+        self.attention = attention  # tree-attention backend of this runner's rounds (fsd_eagle.attention)
         dev = target.device
         self.state = RoundState(torch.zeros((), dtype=torch.long, device=dev))
         if use_graph is None:  # sampling draws from a per-call generator: graphs only for greedy rules
@@ -189,17 +190,18 @@ class RoundRunner:
         if size not in self.prefills:
             ids = torch.zeros(size, dtype=torch.long, device=prompt_ids.device)
             length = torch.zeros((), dtype=torch.long, device=prompt_ids.device)
-            length.fill_(n)
+            fn = functools.partial(prefill, self.target, self.drafter, ids, length, sampling, None)
             ids[:n].copy_(prompt_ids)
-            fn = lambda: prefill(self.target, self.drafter, ids, length, sampling, None)  # noqa: E731
+            length.fill_(n)
             captured = capture(fn, [self.target.length] + ([self.drafter.length] if self.drafter else []))
-            if captured is None:
-                return fn()
-            self.prefills[size] = (ids, length, *captured)
-        ids, length, graph, out = self.prefills[size]
+            self.prefills[size] = (ids, length, fn, captured)  # captured None: this bucket runs eagerly
+        ids, length, fn, captured = self.prefills[size]
         ids.zero_()
         ids[:n].copy_(prompt_ids)
         length.fill_(n)
+        if captured is None:
+            return fn()
+        graph, out = captured
         graph.replay()
         return out
 
@@ -215,11 +217,18 @@ class RoundRunner:
 
     def launch(self, generator: torch.Generator | None) -> PendingRound:
         """Start one round; its result is read with ``.result()``."""
+        self._apply_attention()
         if self.use_graph:
             caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
             if self.graph is None or any(a is not b for a, b in zip(caches, self.captured_for)):
                 # (Re)capture: first use, or a cache was reallocated (the graph holds its addresses).
-                self.graph = capture(self._round_fn(), self._state_tensors())
+                self.graph = capture(self._round_fn(), self._state_tensors(), retry=self.attention != "sdpa")
+                if self.graph is None and self.attention != "sdpa":
+                    # e.g. inductor finds no FlexAttention kernel for this model's head size; eager flex
+                    # would be a slow reference, so the rounds switch to SDPA, still captured.
+                    self.attention = "sdpa"
+                    self._apply_attention()
+                    self.graph = capture(self._round_fn(), self._state_tensors())
                 self.captured_for = caches
                 self.use_graph = self.graph is not None
             if self.graph is not None:
@@ -236,6 +245,11 @@ class RoundRunner:
         out = run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator)
         return PendingRound(out.cpu())
 
+    def _apply_attention(self) -> None:
+        self.target.use_attention(self.attention)
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.model.use_attention(self.attention)
+
     def _round_fn(self):
         fn = run_round
         if self.compile:
@@ -250,11 +264,11 @@ class RoundRunner:
         return tensors
 
 
-def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-    """Capture ``fn`` (one round) in a CUDA graph. Warm-up runs (which also compile a compiled ``fn``) go
-    on a side stream and ``state`` is restored after each, so capturing changes nothing (a round only
-    writes cache rows past the committed prefix). Returns (graph, output buffer), or None (eager fallback)
-    if the round cannot be compiled or captured."""
+def capture(fn, state: list[torch.Tensor], retry: bool = False) -> tuple[torch.cuda.CUDAGraph, object] | None:
+    """Capture ``fn`` (a round, or a prefill) in a CUDA graph. Warm-up runs (which also compile a compiled
+    ``fn``) go on a side stream and ``state`` is restored after each, so capturing changes nothing (a round
+    only writes cache rows past the committed prefix). Returns (graph, fn's outputs), or None (eager fallback)
+    if the round cannot be compiled or captured (``retry``: the caller tries another way first)."""
     saved = [t.clone() for t in state]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -272,7 +286,8 @@ def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.
         torch.cuda.synchronize()
         for t, v in zip(state, saved):
             t.copy_(v)
-        warnings.warn(f"CUDA graph capture failed, decoding eagerly: {str(e).splitlines()[0]}")
+        warnings.warn(f"CUDA graph capture failed ({str(e).splitlines()[0]}): "
+                      f"{'SDPA attention is tried next' if retry else 'running eagerly'}")
         return None
     return graph, out
 
@@ -292,7 +307,7 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     drafting = drafter is not None and tree_cfg.drafts
     drafter = drafter if drafting else None
     if runner is None:
-        runner = RoundRunner(target, drafter, tree_cfg, rule, use_graph=False)
+        runner = RoundRunner(target, drafter, tree_cfg, rule, use_graph=False, attention=target.attention)
     start = time.perf_counter()
     granularity = 2048 if target.device.type == "cuda" else 256
     max_len = plan_cache(runner.prompt_slots(prompt_ids.shape[0]), max_new_tokens, tree_cfg, granularity)

@@ -51,6 +51,8 @@ class Target:
         """Switch the tree-attention backend of rounds ("sdpa" or "flex", see fsd_eagle.attention; prefills
         always use "sdpa"). For "flex" the model runs our registered attention function, which leaves
         transformers' own calls (``generate``) on stock SDPA."""
+        if backend == self.attention:
+            return
         attention.check_backend(backend, self.config)
         if backend == "flex":
             attention.register()

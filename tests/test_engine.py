@@ -911,6 +911,29 @@ def test_padded_prefill_equals_the_plain_one(tiny_llama, kind):
         torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
 
 
+def test_a_round_flex_cannot_capture_switches_to_sdpa(tiny_llama, monkeypatch):
+    """If the flex round cannot be compiled or captured, the runner captures SDPA rounds instead (eager
+    flex is only a slow reference); if that fails too, rounds run eagerly with SDPA."""
+    import fsd_eagle.decode as decode_module
+
+    seen = []
+
+    def failing_capture(fn, state, retry=False):
+        seen.append(target.attention)  # the prefill (always SDPA) is captured too
+        return None
+
+    monkeypatch.setattr(decode_module, "capture", failing_capture)
+    model = copy.deepcopy(tiny_llama)
+    target = Target(model)
+    drafter = _drafter("eagle", model, target)
+    cfg = TREES["default"]
+    prompt = random_prompt(4, 128)
+    runner = RoundRunner(target, drafter, cfg, GREEDY, use_graph=True, attention="flex")
+    out = [t for new in decode(target, drafter, prompt, 12, cfg, GREEDY, None, DecodeStats(), runner) for t in new]
+    assert seen[-2:] == ["flex", "sdpa"] and runner.attention == "sdpa" and not runner.use_graph
+    assert out == reference_greedy(model, prompt, 12)
+
+
 def _has_cpu_compiler() -> bool:
     include = sysconfig.get_paths().get("include", "")
     return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
