@@ -62,7 +62,7 @@ class SpeculativeGenerator:
         self.tree = tree
         self.cuda_graphs = True  # replay each round as a CUDA graph on GPUs (greedy rules)
         self.compile = False  # compile the round with torch.compile before capture (GPUs; ~1 min once per setup)
-        self.attention: str | None = None  # tree-attention backend of rounds (None: chosen per device, see use_attention)
+        self.attention: str | None = None  # tree attention of rounds (None: chosen per setup, see use_attention)
         self._runners: dict = {}
         self.drafter: SlotDrafter | None = None
         if head is not None and draft_model is not None:

@@ -8,6 +8,7 @@ import os
 import runpy
 import sys
 
+from .attention import BACKENDS
 from .config import FuzzyConfig, parse_threshold
 from .divergence import DIVERGENCES
 from .errors import FSDError
@@ -38,6 +39,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--compile", action="store_true",
                    help="GPU: torch.compile the round before graph capture (slow first call, faster rounds)")
+    p.add_argument("--attention", choices=BACKENDS, default=None,
+                   help="tree attention of rounds (default: flex for compiled GPU rounds, where it pays off; "
+                        "else sdpa)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -50,6 +54,7 @@ def run_generate(args: argparse.Namespace) -> int:
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
                                     device=args.device, dtype=args.dtype, compile=args.compile)
     gen.set_tree(args.total_tokens, args.depth, args.tree_top_k)  # the preset, with explicit values winning
+    gen.use_attention(args.attention)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,
                   autoregressive=args.autoregressive)

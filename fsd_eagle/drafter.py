@@ -79,9 +79,7 @@ class EagleDrafter(SlotDrafter):
         self.max_len = 0
 
     def allocate(self, max_len: int, tree: TreeConfig) -> None:
-        size = max_len + (tree.depth - 1) * tree.top_k
-        if self.target.attention == "flex":
-            size = -(-size // FLEX_BLOCK) * FLEX_BLOCK
+        size = -(-(max_len + (tree.depth - 1) * tree.top_k) // FLEX_BLOCK) * FLEX_BLOCK  # whole FlexAttention blocks
         if self.cache is None or self.max_len < size:
             self.cache = self.head.new_cache(size, self.target.device, self.target.dtype)
             self.max_len = size

@@ -79,6 +79,8 @@ def test_autoregressive_same_text_at_temperature_0(folders, capfd):
     assert ar["target_forwards"] == ar["new_tokens"] and ar["tau"] == 1.0
     chain = run_json(capfd, base_args(folders, "--tree-top-k", "1", "--total-tokens", "5"))
     assert chain["text"] == ar["text"]
+    flex = run_json(capfd, base_args(folders, "--attention", "flex"))  # eager reference form on the CPU
+    assert flex["text"] == ar["text"]
 
 
 def test_threshold_inf(folders, capfd):

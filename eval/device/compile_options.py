@@ -1,0 +1,76 @@
+"""Which inductor options make the target's tree forward cheaper (the round's largest stage)?
+
+Times the compiled target forward (+ lm_head) over n tree nodes (a chain mask) as a replayed CUDA graph,
+for several torch.compile settings, with FlexAttention as in compiled rounds. Each setting compiles anew.
+
+    python eval/device/compile_options.py --nodes 1,48 --out $OUT/compile_options.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
+
+SETTINGS = {
+    "default": {},
+    "freezing": {"options": {"freezing": True}},
+    "coordinate_descent": {"options": {"coordinate_descent_tuning": True}},
+    "max_autotune": {"mode": "max-autotune-no-cudagraphs"},
+}
+
+
+def forward_ms(gen, n: int, setting: dict, reps: int = 50) -> float:
+    target = gen.target
+    target.allocate(2048)
+    target.prefill(torch.arange(100, 400, device=target.device))
+    tokens = torch.arange(500, 500 + n, device=target.device)
+    depths = torch.arange(n, device=target.device)
+    anc = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+
+    def fn():
+        return target.logits(target.forward_tree(tokens, depths, anc))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, dynamic=False, **setting)
+    for _ in range(2):
+        compiled()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compiled()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--nodes", default="1,48")
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    gen = SpeculativeGenerator.load(device="cuda", dtype="bfloat16")
+    gen.target.use_attention("flex")
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for name in a.settings.split(","):
+        for n in map(int, a.nodes.split(",")):
+            t = time.perf_counter()
+            ms = forward_ms(gen, n, SETTINGS[name])
+            out["rows"].append({"setting": name, "nodes": n, "ms": round(ms, 3),
+                                "compile_s": round(time.perf_counter() - t, 1)})
+            print(json.dumps(out["rows"][-1]), flush=True)
+            Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
