@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
+from profile_round import replay_ms  # noqa: E402
 
 SETTINGS = {
     "default": {},
@@ -44,13 +46,7 @@ def forward_ms(gen, n: int, setting: dict, reps: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         compiled()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return replay_ms(graph, reps)
 
 
 def main() -> None:
