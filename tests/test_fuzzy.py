@@ -10,7 +10,6 @@ Fast: tiny random Llama targets (vocab 128) and a noisy copy as the drafter, CPU
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -26,6 +25,7 @@ from fsd_eagle.errors import ConfigError, FSDError
 from fsd_eagle.target import Target
 from fsd_eagle.tree import DraftTree
 from fsd_eagle.verify import AcceptanceRule, verify_tree
+from test_api import make_llama, noisy_copy  # noisy_copy: a drafter that agrees with the target often
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention
 
@@ -39,28 +39,6 @@ SAMPLED = SamplingConfig(temperature=0.8)
 
 
 # ----------------------------------------------------------------------------------- tiny models
-
-
-def make_llama(seed: int = 0, vocab: int = VOCAB, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
-    kw.update(overrides)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(**kw))
-    return model.float().eval()
-
-
-def noisy_copy(model, noise: float, seed: int = 1):
-    """The target with Gaussian noise on every weight: a drafter that agrees with it often, not always."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(noise * torch.randn(p.shape, generator=gen))
-    return draft
 
 
 @pytest.fixture(scope="module")
