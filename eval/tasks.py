@@ -13,8 +13,6 @@ the model's chat template to it. All prompts are zero-shot.
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
