@@ -8,9 +8,9 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .attention import check_backend
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode
-from .attention import check_backend
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, HeadMismatchError, InputError
 from .head import EagleHead, HeadConfig

@@ -29,6 +29,11 @@ ATTENTION_NAME = "fsd_eagle"
 FLEX_BLOCK = 128
 
 
+def whole_blocks(slots: int) -> int:
+    """``slots`` rounded up to whole FlexAttention blocks: cache sizes, so that either backend can use a cache."""
+    return -(-slots // FLEX_BLOCK) * FLEX_BLOCK
+
+
 def prepare_mask(mask: torch.Tensor, backend: str, dtype: torch.dtype):
     """The boolean mask ``[n, S]`` in the form ``attend`` takes for ``backend`` (S a multiple of FLEX_BLOCK
     for "flex")."""
@@ -59,8 +64,8 @@ def _block_mask(mask: torch.Tensor):
     n, s = mask.shape
     if s % FLEX_BLOCK:
         raise ConfigError(f"a FlexAttention cache needs a multiple of {FLEX_BLOCK} slots, got {s}")
-    nq, nk = -(-n // FLEX_BLOCK), s // FLEX_BLOCK
-    pad = nq * FLEX_BLOCK - n
+    pad = whole_blocks(n) - n
+    nq, nk = (n + pad) // FLEX_BLOCK, s // FLEX_BLOCK
 
     def blocks(fill: bool) -> torch.Tensor:  # [nq, B, nk, B]; padding rows are never computed
         rows = torch.cat([mask, mask.new_full((pad, s), fill)]) if pad else mask

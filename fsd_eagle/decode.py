@@ -166,7 +166,8 @@ class RoundRunner:
         self.captured_for: tuple = ()
         self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)
         self.turn = 0
-        # Captured prefills by padded length: (ids buffer, n buffer, graph, (root_token, root)).
+        # Prefills by padded length: (ids buffer, length buffer, the prefill on them, its (graph, outputs)
+        # or None where capture failed).
         self.prefills: dict[int, tuple] = {}
         self.prefills_for: tuple = ()
 
@@ -176,8 +177,8 @@ class RoundRunner:
 
     def prefill(self, prompt_ids: torch.Tensor, generator: torch.Generator | None):
         """``prefill`` of the prompt ``[L]`` (caches allocated): eagerly, or in graph mode by replaying the
-        graph captured for its bucket (the eager HF forward costs ~25 ms of host time on the H200, its
-        replay a few ms). Returns (root_token, root) as ``prefill``."""
+        graph captured for its bucket (the eager HF forward is ~25 ms of kernel launches on the H200).
+        Returns (root_token, root) as ``prefill``."""
         n = prompt_ids.shape[0]
         sampling = self.rule.sampling
         if not self.use_graph:
@@ -222,7 +223,7 @@ class RoundRunner:
             caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
             if self.graph is None or any(a is not b for a, b in zip(caches, self.captured_for)):
                 # (Re)capture: first use, or a cache was reallocated (the graph holds its addresses).
-                self.graph = capture(self._round_fn(), self._state_tensors(), retry=self.attention != "sdpa")
+                self.graph = capture(self._round_fn(), self._state_tensors())
                 if self.graph is None and self.attention != "sdpa":
                     # e.g. inductor finds no FlexAttention kernel for this model's head size; eager flex
                     # would be a slow reference, so the rounds switch to SDPA, still captured.
@@ -264,11 +265,11 @@ class RoundRunner:
         return tensors
 
 
-def capture(fn, state: list[torch.Tensor], retry: bool = False) -> tuple[torch.cuda.CUDAGraph, object] | None:
+def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, object] | None:
     """Capture ``fn`` (a round, or a prefill) in a CUDA graph. Warm-up runs (which also compile a compiled
     ``fn``) go on a side stream and ``state`` is restored after each, so capturing changes nothing (a round
     only writes cache rows past the committed prefix). Returns (graph, fn's outputs), or None (eager fallback)
-    if the round cannot be compiled or captured (``retry``: the caller tries another way first)."""
+    if ``fn`` cannot be compiled or captured."""
     saved = [t.clone() for t in state]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -286,8 +287,7 @@ def capture(fn, state: list[torch.Tensor], retry: bool = False) -> tuple[torch.c
         torch.cuda.synchronize()
         for t, v in zip(state, saved):
             t.copy_(v)
-        warnings.warn(f"CUDA graph capture failed ({str(e).splitlines()[0]}): "
-                      f"{'SDPA attention is tried next' if retry else 'running eagerly'}")
+        warnings.warn(f"CUDA graph capture failed: {str(e).splitlines()[0]}")
         return None
     return graph, out
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import FLEX_BLOCK, no_cudnn, prepare_mask
+from .attention import no_cudnn, prepare_mask, whole_blocks
 from .cache import attention_mask
 from .config import TreeConfig
 from .head import EagleHead
@@ -79,7 +79,7 @@ class EagleDrafter(SlotDrafter):
         self.max_len = 0
 
     def allocate(self, max_len: int, tree: TreeConfig) -> None:
-        size = -(-(max_len + (tree.depth - 1) * tree.top_k) // FLEX_BLOCK) * FLEX_BLOCK  # whole FlexAttention blocks
+        size = whole_blocks(max_len + (tree.depth - 1) * tree.top_k)
         if self.cache is None or self.max_len < size:
             self.cache = self.head.new_cache(size, self.target.device, self.target.dtype)
             self.max_len = size

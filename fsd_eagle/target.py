@@ -70,7 +70,7 @@ class Target:
     def allocate(self, max_len: int) -> None:
         """(Re)allocate the cache for ``max_len`` slots (rounded up to whole FlexAttention blocks, so that either
         backend can use it) only when it is too small; reset the length."""
-        max_len = -(-max_len // attention.FLEX_BLOCK) * attention.FLEX_BLOCK
+        max_len = attention.whole_blocks(max_len)
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = SlotCache(self.config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_len,
                                    self.dtype, self.device)

@@ -918,7 +918,7 @@ def test_a_round_flex_cannot_capture_switches_to_sdpa(tiny_llama, monkeypatch):
 
     seen = []
 
-    def failing_capture(fn, state, retry=False):
+    def failing_capture(fn, state):
         seen.append(target.attention)  # the prefill (always SDPA) is captured too
         return None
 
