@@ -2,7 +2,8 @@
 FSD, eager and CUDA-graph replay, on MT-bench first turns, greedy. Also a per-stage breakdown of one round,
 peak memory at a 2048-token context, and a random-weight Llama-3-8B-shaped target's per-round cost.
 
-    python -m eval speed --device cuda --dtype bfloat16 --limit 20 --out eval/results/gpu_speed.json
+    python -m eval speed --device cuda --dtype bfloat16 --limit 20 --compile --out eval/results/gpu_speed.json
+    python -m eval speed --methods ar,eagle2 --backends compiled --rows-only ...   # a shorter run
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def bench_method(gen, prompts, max_new_tokens: int, repeats: int, **kwargs) -> d
 
     runs, results = timed_runs(run_one, prompts, repeats, dev)
     tau = sum(r.stats.new_tokens for r in results) / sum(r.stats.target_forwards for r in results)
-    return {**_summary(runs, dev), "tau": tau, "warmup_s": round(warmup_s, 2), "outputs": [r.token_ids for r in results]}
+    # time to the first token: the prefill (and, with graphs, the first round launched behind it)
+    ttft_ms = 1000 * statistics.mean(r.stats.prefill_s for r in results)
+    return {**_summary(runs, dev), "tau": tau, "warmup_s": round(warmup_s, 2), "ttft_ms": round(ttft_ms, 2),
+            "outputs": [r.token_ids for r in results]}
 
 
 def bench_hf(model, tokenizer, prompts, max_new_tokens: int, repeats: int) -> dict:
@@ -221,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-8b", action="store_true")
     p.add_argument("--compile", action="store_true", help="also measure rounds compiled with torch.compile")
     p.add_argument("--eager", action="store_true", help="also measure eager rounds (no CUDA graphs)")
+    p.add_argument("--backends", help="comma-separated subset of eager,graph,compiled (default: graph plus the "
+                                      "ones --eager / --compile add)")
+    p.add_argument("--methods", default="hf,ar,eagle2,fsd", help="comma-separated subset of hf,ar,eagle2,fsd")
+    p.add_argument("--rows-only", action="store_true",
+                   help="only the method rows: no stage breakdown, peak memory or 8B-shape round cost")
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_speed.json"))
     a = p.parse_args(argv)
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype)
@@ -231,38 +240,46 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     partial = Path(a.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
-    hf = bench_hf(gen.target.model, gen.tokenizer, prompts, a.max_new_tokens, max(1, a.repeats - 1))
-    rows.append({"method": "hf_generate", "backend": "hf", **hf})
-    backends = (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else [])
+    methods = a.methods.split(",")
+    if "hf" in methods:
+        hf = bench_hf(gen.target.model, gen.tokenizer, prompts, a.max_new_tokens, max(1, a.repeats - 1))
+        rows.append({"method": "hf_generate", "backend": "hf", **hf})
+    backends = (a.backends.split(",") if a.backends else
+                (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else []))
+    a.compile = "compiled" in backends
     fsd_name = f"fsd_{a.divergence}_T{a.threshold}"
+    ours = [(name, kwargs) for key, name, kwargs in (("ar", "ar", dict(autoregressive=True)), ("eagle2", "eagle2", {}),
+                                                      ("fsd", fsd_name, dict(fuzzy=fuzzy))) if key in methods]
     for backend in backends:
         gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
-        for name, kwargs in (("ar", dict(autoregressive=True)), ("eagle2", {}), (fsd_name, dict(fuzzy=fuzzy))):
+        for name, kwargs in ours:
             row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)
             rows.append({"method": f"{name}_{backend}", "backend": backend, "attention": gen.resolve_attention(), **row})
             partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], default=str))
             print(rows[-1]["method"], round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
     ar_rows = {r["backend"]: r for r in rows if r["method"].startswith("ar_")}
     outputs = {r["method"]: r.pop("outputs", None) for r in rows}
-    base_hf = rows[0]["tokens_per_s"]
+    base_hf = rows[0]["tokens_per_s"] if "hf" in methods else None
 
     def agreement(outs, ar_row) -> float:
         ref = outputs[ar_row["method"]]
         return round(statistics.mean(token_agreement(x, y) for x, y in zip(outs, ref)), 4)
 
     for row in rows:
-        row["speedup_vs_hf"] = round(row["tokens_per_s"] / base_hf, 3)
-        same = ar_rows.get(row["backend"], ar_rows["graph"])  # our AR with the same backend (same kernels)
-        row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3)
+        row["speedup_vs_hf"] = round(row["tokens_per_s"] / base_hf, 3) if base_hf else None
+        # our AR with the same backend (same kernels); HF's row is compared with the graph AR
+        same = ar_rows.get(row["backend"], ar_rows.get("graph"))
+        row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3) if same else None
         outs = outputs[row["method"]]
-        if outs is not None:
+        if outs is not None and same:
             row["agreement_vs_ar"] = agreement(outs, same)
-            row["agreement_vs_ar_graph"] = agreement(outs, ar_rows["graph"])
+            if "graph" in ar_rows:
+                row["agreement_vs_ar_graph"] = agreement(outs, ar_rows["graph"])
         row["tokens_per_s"] = round(row["tokens_per_s"], 2)
         row["tau"] = round(row["tau"], 3)
         row["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
     extra = {}
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not a.rows_only:
         for backend in backends[-2:] if a.compile else ["graph"]:
             gen.cuda_graphs, gen.compile = True, backend == "compiled"
             extra[f"stage_ms_per_round_{backend}"] = stage_breakdown(gen, prompts[0], compile=gen.compile)
@@ -271,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     # Peak memory at a 2048-token context: AR vs EAGLE-2 (graphs), prompt of 1900 tokens + 128 new.
     long_prompt = list(range(1000, 2900))
     mem = {}
-    for name, ar in (("ar", True), ("eagle2", False)) if dev.type == "cuda" else ():
+    for name, ar in (("ar", True), ("eagle2", False)) if dev.type == "cuda" and not a.rows_only else ():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         gen.generate(long_prompt, 128, autoregressive=ar, chat=False)
         mem[name] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
-    extra["peak_mem_gb_2048_context"] = mem
-    if not a.skip_8b and dev.type == "cuda":
+    if mem:
+        extra["peak_mem_gb_2048_context"] = mem
+    if not a.skip_8b and not a.rows_only and dev.type == "cuda":
         tau = next(r["tau"] for r in rows if r["method"] == f"eagle2_{backends[-1]}")
         extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, a.compile)
     result = {"rows": rows, **extra,
@@ -288,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for row in rows:
-        print(f"{row['method']:28s} {row['tokens_per_s']:9.1f} tok/s  x{row['speedup_vs_hf']:.2f} vs HF  "
-              f"x{row['speedup_vs_ar']:.2f} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  agree {row.get('agreement_vs_ar')}")
+        print(f"{row['method']:28s} {row['tokens_per_s']:9.1f} tok/s  x{row['speedup_vs_hf']} vs HF  "
+              f"x{row['speedup_vs_ar']} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  agree {row.get('agreement_vs_ar')}")
     print(json.dumps(extra))
     return 0
 

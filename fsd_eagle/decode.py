@@ -130,6 +130,13 @@ def compiled_round():
     return torch.compile(run_round, dynamic=False)
 
 
+def compiled_prefill():
+    """``prefill`` compiled by inductor, one graph per padded prompt length (dynamo recompiles per bucket).
+    Captured from eager kernels, a 64-token prefill of SmolLM2-135M replayed in 6.7 ms on an H100 (a
+    compiled 48-node tree forward takes 1.6 ms)."""
+    return torch.compile(prefill, dynamic=False)
+
+
 @dataclass
 class PendingRound:
     """A round's output ``[4 + P]`` (see ``run_round``) on its way to the host."""
@@ -191,10 +198,14 @@ class RoundRunner:
         if size not in self.prefills:
             ids = torch.zeros(size, dtype=torch.long, device=prompt_ids.device)
             length = torch.zeros((), dtype=torch.long, device=prompt_ids.device)
-            fn = functools.partial(prefill, self.target, self.drafter, ids, length, sampling, None)
+            args = (self.target, self.drafter, ids, length, sampling, None)
+            fn = functools.partial(prefill, *args)
             ids[:n].copy_(prompt_ids)
             length.fill_(n)
-            captured = capture(fn, [self.target.length] + ([self.drafter.length] if self.drafter else []))
+            state = [self.target.length] + ([self.drafter.length] if self.drafter else [])
+            captured = capture(functools.partial(compiled_prefill(), *args), state) if self.compile else None
+            if captured is None:  # not compiled, or compilation failed: eager kernels, still captured
+                captured = capture(fn, state)
             self.prefills[size] = (ids, length, fn, captured)  # captured None: this bucket runs eagerly
         ids, length, fn, captured = self.prefills[size]
         ids.zero_()
@@ -300,7 +311,7 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     prompt_ids ``[L]`` on the target's device. ``stats`` is filled as rounds complete; at most
     ``max_new_tokens`` ids are yielded in total. ``runner``: a reusable RoundRunner for this configuration
     (default: a fresh eager one). With a graph runner, the next round is launched before this one is read
-    (at most one round is computed in vain, after the last).
+    unless this one may end the call (so a round is computed in vain only after an EOS or a stop string).
     """
     if max_new_tokens < 1:  # the prefill would already produce one token
         return
@@ -325,9 +336,13 @@ def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor
     first = int(root_token)  # waits for the prefill
     stats.elapsed_s = stats.prefill_s = time.perf_counter() - start
     yield [first]
+    # A round yields at most ``most`` tokens: a round that may end the call gets no successor launched
+    # ahead (computing one in vain costs a whole round; waiting costs only a launch).
+    most = min(tree_cfg.depth, tree_cfg.total_tokens - 1) + 1 if drafting else 1
     while produced < max_new_tokens:
         current = pending or runner.launch(generator)
-        pending = runner.launch(generator) if runner.use_graph else None
+        ahead = runner.use_graph and produced + most < max_new_tokens
+        pending = runner.launch(generator) if ahead else None
         host = current.result()  # the round's only host sync
         n_acc, fuzzy_extra, div_count, div_sum = int(host[0]), int(host[1]), int(host[2]), host[3]
         new = [int(t) for t in host[4: 4 + n_acc]][: max_new_tokens - produced]

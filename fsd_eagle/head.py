@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,10 +61,17 @@ class HeadConfig:
             attention_bias=bool(getattr(c, "attention_bias", False)),
             max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
             rope_parameters=target_rope_parameters(c),
-            target=getattr(c, "_name_or_path", "") or getattr(c, "model_type", ""),
+            target=_target_name(c),
         )
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def _target_name(config) -> str:
+    """The target's name for a head's config: a hub id as given, a local folder by its own name (a head
+    must not record the path of the machine it was trained on)."""
+    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
+    return Path(name).name if Path(name).is_absolute() or Path(name).is_dir() else name
 
 
 def target_rope_parameters(config) -> dict:

@@ -23,8 +23,8 @@ import fsd_eagle.verify as verify_module
 from conftest import tiny_model
 from fsd_eagle.attention import BACKENDS
 from fsd_eagle.config import SamplingConfig, TreeConfig
-from fsd_eagle.decode import (DecodeStats, PendingRound, RoundRunner, compiled_round, decode, plan_cache, prefill,
-                              prefill_bucket, run_round)
+from fsd_eagle.decode import (DecodeStats, PendingRound, RoundRunner, compiled_prefill, compiled_round, decode,
+                              plan_cache, prefill, prefill_bucket, run_round)
 from fsd_eagle.drafter import EagleDrafter, ModelDrafter
 from fsd_eagle.errors import ConfigError
 from fsd_eagle.head import EagleHead, HeadConfig
@@ -852,10 +852,19 @@ class AheadRunner(RoundRunner):
         super().__init__(*args, use_graph=False)
         self.use_graph = True  # decode() pipelines graph runners
         self.launches = 0
+        self.events: list[str] = []  # "launch" / "read", in order
 
     def launch(self, generator):
         self.launches += 1
-        return PendingRound(run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator))
+        self.events.append("launch")
+        events = self.events
+
+        class Logged(PendingRound):
+            def result(self):
+                events.append("read")
+                return super().result()
+
+        return Logged(run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator))
 
     def prefill(self, prompt_ids, generator):
         """Padded to its bucket, as a graph runner's prefill is."""
@@ -867,7 +876,7 @@ class AheadRunner(RoundRunner):
 
 @pytest.mark.parametrize("tree", ["chain", "tiny", "default"])
 def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree):
-    """The round launched ahead of the last one is computed in vain but changes nothing, and fits the cache:
+    """Rounds launched ahead decode exactly; none is launched past max_new_tokens, and any fits the cache:
     max_new_tokens is chosen so that plan_cache's need is exactly a multiple of its granularity, and the
     self-draft accepts whole paths, so the last round overshoots max_new_tokens as far as it can. The
     prompt is padded to its bucket, as graph runners do."""
@@ -885,9 +894,14 @@ def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree):
     stats = DecodeStats()
     out = [t for new in decode(target, drafter, prompt, n, cfg, GREEDY, None, stats, runner) for t in new]
     assert out == ref
-    assert runner.launches == stats.target_forwards  # the prefill is one forward: one round ran ahead
-    longest = min(cfg.depth, cfg.total_tokens - 1) + 1  # the most one round can accept with this tree
-    assert max(stats.accept_lengths) == longest or tree == "default"
+    # every launched round was used (the prefill is one forward): none ran ahead past max_new_tokens
+    assert runner.launches == stats.target_forwards - 1
+    # ... while the rounds before the last ones were launched ahead, before their predecessor was read
+    ahead = sum(e == "launch" and runner.events[:i].count("launch") > runner.events[:i].count("read")
+                for i, e in enumerate(runner.events))
+    most = min(cfg.depth, cfg.total_tokens - 1) + 1  # rounds that may end the call: at most this many
+    assert runner.launches - 1 - most <= ahead < runner.launches, runner.events
+    assert max(stats.accept_lengths) == most or tree == "default"  # the most one round can accept
 
 
 @torch.no_grad()
@@ -937,6 +951,31 @@ def test_a_round_flex_cannot_capture_switches_to_sdpa(tiny_llama, monkeypatch):
 def _has_cpu_compiler() -> bool:
     include = sysconfig.get_paths().get("include", "")
     return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
+
+
+@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+def test_compiled_prefill_equals_the_eager_one(tiny_llama):
+    """What compiled GPU runners capture for a padded prompt (decode.compiled_prefill) leaves the same
+    prefix, caches and roots as the eager prefill."""
+    torch._dynamo.reset()
+    prompt = random_prompt(5, 128)
+    cfg = TREES["default"]
+    size = prefill_bucket(prompt.shape[0])
+    results = []
+    for fn in (prefill, compiled_prefill()):
+        target = Target(tiny_llama)
+        drafter = _drafter("eagle", tiny_llama, target)
+        target.allocate(256)
+        drafter.allocate(256, cfg)
+        ids = torch.zeros(size, dtype=torch.long)
+        ids[: prompt.shape[0]] = prompt
+        root_token, root = fn(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.sampling, None)
+        n = prompt.shape[0]
+        results.append((root_token, root.logits, root.state, target.length.clone(), drafter.length.clone(),
+                        target.cache.kv[..., :n, :].clone(), drafter.cache.keys[..., :n, :].clone(),
+                        drafter.cache.values[..., :n, :].clone()))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")

@@ -10,7 +10,9 @@ pipeline: data -> self-distillation -> online features -> training -> validation
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -24,7 +26,7 @@ import training.train
 from conftest import tiny_model
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.models import load_head, load_target
+from fsd_eagle.models import load_head, load_target, save_head
 from test_api import make_tokenizer
 from training.__main__ import main
 from training.data import Conversation, write_conversations
@@ -287,8 +289,8 @@ def test_killed_run_resumes_to_the_same_head(llama, tmp_path, monkeypatch):
 
     real_save = training.train.save_checkpoint
 
-    def save_then_die(out_dir, head, opt, step, epoch, log):
-        real_save(out_dir, head, opt, step, epoch, log)
+    def save_then_die(out_dir, head, opt, step, epoch, log, schedule=None):
+        real_save(out_dir, head, opt, step, epoch, log, schedule)
         if step == 2:
             raise Killed()
 
@@ -307,6 +309,73 @@ def test_killed_run_resumes_to_the_same_head(llama, tmp_path, monkeypatch):
     ref_opt = load_file(ref_out / "checkpoint" / "optimizer.safetensors")
     opt = load_file(out / "checkpoint" / "optimizer.safetensors")
     assert all(torch.equal(ref_opt[k], opt[k]) for k in ref_opt)
+
+
+def test_stop_after_splits_a_run_over_calls_losslessly(llama, tmp_path, capsys):
+    """--stop-after ends a call with a checkpoint and no exported head; calls resumed with --resume, one
+    step each, then one to the end, give exactly the head of one uninterrupted call."""
+    recipe = llama.write_recipe("recipe_stop.json", epochs=2, max_steps=5)
+    ref_out, out = tmp_path / "reference", tmp_path / "split"
+    assert main(llama.argv(ref_out, recipe=recipe)) == 0
+    assert main(llama.argv(out, "--stop-after", 0, recipe=recipe)) == 0
+    assert '"stopped": true' in capsys.readouterr().out
+    assert not (out / "head").exists() and _progress(out)["step"] == 1
+    assert main(llama.argv(out, "--resume", "--stop-after", 0, recipe=recipe)) == 0
+    assert not (out / "head").exists() and _progress(out)["step"] == 2
+    assert main(llama.argv(out, "--resume", recipe=recipe)) == 0
+    assert _progress(out)["step"] == _progress(ref_out)["step"] == 5
+    ref_head, head = load_file(ref_out / "head" / "model.safetensors"), load_file(out / "head" / "model.safetensors")
+    assert all(torch.equal(ref_head[k], head[k]) for k in ref_head)
+    assert _progress(out)["train_s"] > 0 and json.loads((out / "head" / "config.json").read_text())["training"]["train_s"] > 0
+
+
+def test_a_fitted_schedule_survives_resume(llama, tmp_path, monkeypatch):
+    """A time budget fixes the run's length once (saved with the checkpoint); a resumed call follows it
+    rather than the recipe's epochs."""
+    recipe = llama.write_recipe("recipe_fit.json", epochs=30, checkpoint_every=1000)
+    out = tmp_path / "run"
+    rates = []
+    real_lr = training.train.lr_at
+    monkeypatch.setattr(training.train, "lr_at", lambda step, total, r: rates.append((step, total)) or real_lr(step, total, r))
+    # a budget so small that the fit at step 60 ends the run right there
+    assert main(llama.argv(out, "--time-budget", 1e-6, "--stop-after", 1e9, recipe=recipe)) == 0
+    progress = _progress(out)
+    assert progress["fitted"] and progress["total"] == progress["step"] == 60
+    rates.clear()
+    assert main(llama.argv(out, "--resume", recipe=recipe)) == 0  # nothing left to train
+    assert rates == [] and _progress(out)["step"] == 60
+
+
+def test_init_warm_starts_from_a_head(llama, tmp_path, capsys):
+    """--init loads a head's weights before training (with lr 0 they come out unchanged); a head of
+    another shape is refused before the run folder is made."""
+    first = tmp_path / "first"
+    assert main(llama.argv(first, "--epochs", 1)) == 0
+    still = llama.write_recipe("recipe_lr0.json", epochs=1, lr=0.0)
+    second = tmp_path / "second"
+    assert main(llama.argv(second, "--init", first / "head", recipe=still)) == 0
+    a, b = load_file(first / "head" / "model.safetensors"), load_file(second / "head" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((second / "head" / "recipe.json").read_text())["init"] == str(first / "head")
+    training_info = json.loads((second / "head" / "config.json").read_text())["training"]
+    assert training_info["init_sha256"] == hashlib.sha256((first / "head" / "model.safetensors").read_bytes()).hexdigest()
+    capsys.readouterr()
+
+    from transformers import AutoConfig
+
+    fits = HeadConfig.for_target(AutoConfig.from_pretrained(llama.target))
+    out = tmp_path / "refused"
+    for name, change, expected in (("narrow", {"hidden_size": 16, "intermediate_size": 32}, "hidden size 16"),
+                                   ("wide-mlp", {"intermediate_size": 2 * fits.intermediate_size}, "another shape")):
+        other = tmp_path / name
+        save_head(EagleHead(dataclasses.replace(fits, **change)), other)
+        assert main(llama.argv(out, "--init", other)) == 2
+        err = _one_line_error(capsys)
+        assert str(other) in err and expected in err, err
+        assert not out.exists()
+    assert main(llama.argv(out, "--init", tmp_path / "no-head")) == 2
+    assert "no draft head" in _one_line_error(capsys)
+    assert not out.exists()
 
 
 def test_checkpoint_round_trip_restores_optimizer(tmp_path):
@@ -331,7 +400,7 @@ def test_checkpoint_round_trip_restores_optimizer(tmp_path):
         step(head, opt, seed)
     training.train.save_checkpoint(tmp_path, head, opt, 3, 1, [{"epoch": 1}])
     head2, opt2 = make()
-    assert training.train.load_checkpoint(tmp_path, head2, opt2) == (3, 1, [{"epoch": 1}])
+    assert training.train.load_checkpoint(tmp_path, head2, opt2) == (3, 1, [{"epoch": 1}], {})
     a, b = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert a.keys() == b.keys()
     for i in a:

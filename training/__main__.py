@@ -18,19 +18,24 @@ import torch
 
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import TreeConfig
-from fsd_eagle.errors import FSDError, InputError
+from fsd_eagle.errors import FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.models import load_target, resolve_device, resolve_dtype
+from fsd_eagle.models import load_head, load_target, resolve_device, resolve_dtype
 from fsd_eagle.target import Target
 
 from .data import main as data_main, read_conversations, write_conversations
 from .features import tokenize_conversation
 from .recipe import Recipe
-from .train import export_head, train
+from .train import checkpoint_dir, export_head, train
 
 
 def _is_val(conv_id: str, fraction: float) -> bool:
     return int(hashlib.sha1(conv_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+def _weights_sha256(folder: Path) -> str | None:
+    files = [folder / name for name in ("model.safetensors", "pytorch_model.bin") if (folder / name).exists()]
+    return hashlib.sha256(files[0].read_bytes()).hexdigest() if files else None
 
 
 _TOKENIZER = None
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count", "answers"):
+    for key in ("epochs", "distill_count", "answers", "init"):
         if getattr(args, key) is not None:
             setattr(recipe, key, getattr(args, key))
     if args.data:
@@ -89,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("the training data holds no conversation")
     device = resolve_device(args.device)
     model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
+    head_cfg = HeadConfig.for_target(model.config.get_text_config())
+    init = load_head(recipe.init, model.config.get_text_config(), device, torch.float32) if recipe.init else None
+    shapes = lambda sd: {k: tuple(v.shape) for k, v in sd.items()}  # noqa: E731
+    if init is not None and shapes(init.state_dict()) != shapes(EagleHead(head_cfg).state_dict()):
+        raise HeadMismatchError(f"the head in {recipe.init} has another shape than this trainer's head for the target")
     tok_dir = str(Path(recipe.target) if recipe.target else Path(model.config._name_or_path))
     prepare_out(out, args.resume, args.overwrite)
     val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
@@ -118,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
                       "val_prompts": len(val), **timings}), flush=True)
     target = Target(model)
     torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
-    head = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(device)
+    head = EagleHead(head_cfg).to(device)
+    if init is not None:
+        head.load_state_dict(init.state_dict())
     val_prompts = [c.messages[: next(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
                    for c in val[: recipe.val_prompts]]
 
@@ -131,9 +143,18 @@ def run(args: argparse.Namespace) -> int:
         return {"val_tau": round(tokens / max(1, forwards), 3)}
 
     t = time.perf_counter()
-    log = train(target, head, examples, recipe, out, resume=args.resume, validate=validate if val_prompts else None,
-                time_budget_s=args.time_budget)
-    timings["train_s"] = round(time.perf_counter() - t, 1)
+    log, finished = train(target, head, examples, recipe, out, resume=args.resume,
+                          validate=validate if val_prompts else None, time_budget_s=args.time_budget,
+                          stop_after_s=args.stop_after)
+    call_s = round(time.perf_counter() - t, 1)
+    # the whole run's training time (over resumed calls too), as the checkpoint counts it
+    timings["train_s"] = json.loads((checkpoint_dir(out) / "progress.json").read_text())["train_s"]
+    if not finished:
+        print(json.dumps({"stopped": True, "call_train_s": call_s, **timings, "checkpoint": str(out / "checkpoint"),
+                          "continue": "run the same command with --resume"}))
+        return 0
+    if init is not None:  # which weights the warm start began from (the init folder may change later)
+        timings["init_sha256"] = _weights_sha256(Path(recipe.init))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     final = export_head(head, out, recipe, log, {"examples": len(examples), "loss_tokens": n_tokens,
                                                 "device": device_name, **timings})
@@ -162,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device")
     r.add_argument("--dtype")
     r.add_argument("--workers", type=int, default=8)
-    r.add_argument("--time-budget", type=float, help="seconds of training; the schedule is fitted to it")
+    r.add_argument("--init", help="head folder to start from (warm start; overrides the recipe)")
+    r.add_argument("--time-budget", type=float,
+                   help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")
+    r.add_argument("--stop-after", type=float,
+                   help="stop this call after that many seconds of training, with a checkpoint to --resume from")
     sub.add_parser("data", help="prepare conversation files (python -m training data prepare --help)")
     args = p.parse_args(argv)
     try:

@@ -16,6 +16,7 @@ class Recipe:
     of ``distill_count`` conversations with the target (greedy) and train on both answers."""
 
     target: str | None = None
+    init: str | None = None  # a head folder to start from (warm start: its weights; a fresh optimizer and schedule)
     data: list[str] = field(default_factory=list)
     distill: bool = True
     answers: str = "both"  # with distill: train on the "both" answers, or only "distilled" / "original" ones

@@ -55,8 +55,11 @@ def lr_at(step: int, total: int, recipe: Recipe) -> float:
     return recipe.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step: int, epoch: int, log: list) -> None:
-    """Head + optimizer state as safetensors and progress as JSON, written atomically (tmp + rename)."""
+def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step: int, epoch: int, log: list,
+                    schedule: dict | None = None) -> None:
+    """Head + optimizer state as safetensors and progress as JSON, written atomically (tmp + rename).
+    ``schedule``: {"total": steps of the LR schedule, "train_s": training seconds so far, "fitted": whether a
+    time budget fixed ``total``}, so a resumed run keeps the schedule it started."""
     ck = out / "checkpoint"
     tmp = out / "checkpoint.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -72,7 +75,7 @@ def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     save_file(rng, tmp / "rng.safetensors")
-    (tmp / "progress.json").write_text(json.dumps({"step": step, "epoch": epoch, "log": log}))
+    (tmp / "progress.json").write_text(json.dumps({"step": step, "epoch": epoch, "log": log, **(schedule or {})}))
     old = out / "checkpoint.old"
     if old.exists():
         shutil.rmtree(old)
@@ -91,7 +94,8 @@ def checkpoint_dir(out: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> tuple[int, int, list]:
+def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> tuple[int, int, list, dict]:
+    """Restore head, optimizer and RNG streams; returns (step, epoch, log, schedule) as saved."""
     ck = checkpoint_dir(out)
     head.load_state_dict(load_file(ck / "head.safetensors"))
     flat = load_file(ck / "optimizer.safetensors")
@@ -107,16 +111,21 @@ def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> t
         if device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], device)
     prog = json.loads((ck / "progress.json").read_text())
-    return prog["step"], prog["epoch"], prog["log"]
+    schedule = {k: prog[k] for k in ("total", "train_s", "fitted") if k in prog}
+    return prog["step"], prog["epoch"], prog["log"], schedule
 
 
 def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Recipe, out: Path,
-          resume: bool = False, validate=None, time_budget_s: float | None = None) -> list[dict]:
-    """Train ``head`` in place; checkpoints in ``out/checkpoint``; returns the per-epoch log.
+          resume: bool = False, validate=None, time_budget_s: float | None = None,
+          stop_after_s: float | None = None) -> tuple[list[dict], bool]:
+    """Train ``head`` in place; checkpoints in ``out/checkpoint``. Returns (per-epoch log, finished).
 
     ``validate(head) -> dict`` (optional) runs after each epoch (e.g. tau measured by decoding).
-    ``time_budget_s``: after 60 steps the step time is measured and the run shortened to fit the budget
-    (the LR schedule is rescaled to the new length, so it still ends decayed).
+    ``time_budget_s``: seconds of training for the whole run, resumed calls included: from step 60 on, every
+    100 steps, the mean step time is measured and the run shortened to fit (the LR schedule is rescaled to
+    the new length, so it still ends decayed); the fitted length is kept in the checkpoint for resumed calls.
+    ``stop_after_s``: this call stops after that many seconds with a checkpoint (finished False), to be
+    continued with ``resume`` (e.g. a run longer than one job of a time-limited machine).
     """
     if not train_set:
         raise InputError("no training examples")
@@ -126,16 +135,25 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay)
     batches_per_epoch = len(make_batches(train_set, recipe.tokens_per_batch, recipe.seed))
-    total = batches_per_epoch * recipe.epochs
+    cap = batches_per_epoch * recipe.epochs  # the recipe's length; a time budget may shorten it
     if recipe.max_steps:
-        total = min(total, recipe.max_steps)
-    step, first_epoch, log = 0, 0, []
+        cap = min(cap, recipe.max_steps)
+    total = cap
+    step, first_epoch, log, schedule = 0, 0, [], {}
     if resume and checkpoint_dir(out) is not None:
-        step, first_epoch, log = load_checkpoint(out, head, opt)
+        step, first_epoch, log, schedule = load_checkpoint(out, head, opt)
+        if schedule.get("fitted"):  # a time budget set the run's length: keep it (else --epochs may extend it)
+            total = schedule["total"]
     elif resume:
         print(f"note: no checkpoint in {out} yet: training starts at step 0", file=sys.stderr, flush=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     started, first_step = time.perf_counter(), step
+    before_s, fitted = schedule.get("train_s", 0.0), schedule.get("fitted", False)
+
+    def save(epoch_done: int) -> None:
+        save_checkpoint(out, head, opt, step, epoch_done, log,
+                        {"total": total, "train_s": round(before_s + time.perf_counter() - started, 1), "fitted": fitted})
+
     for epoch in range(first_epoch, recipe.epochs):
         if step >= total:
             break
@@ -161,17 +179,24 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             count += 1
             if step - first_step == 10:
                 tick = time.perf_counter()  # the first steps include one-time start-up costs
-            if time_budget_s and step - first_step == 60:
-                per_step = (time.perf_counter() - tick) / 50
-                total = min(total, step + int((time_budget_s - (time.perf_counter() - started)) / per_step))
+            if time_budget_s and step - first_step >= 60 and (step - first_step) % 100 == 60:
+                # Refitted every 100 steps: early steps are slower (allocator growth, kernel autotuning for
+                # new shapes), so one early measurement would end the run well before its budget.
+                per_step = (time.perf_counter() - tick) / (step - first_step - 10)
+                left = time_budget_s - before_s - (time.perf_counter() - started)
+                total, fitted = min(cap, step + max(0, int(left / per_step))), True
             if step >= total:
                 break
+            if stop_after_s is not None and time.perf_counter() - started >= stop_after_s:
+                save(epoch)
+                head.eval()
+                return log, False
             if step % 20 == 0:
                 mean = (sums / count).tolist()
                 bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[3]:.3f}",
                                 tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             if step % recipe.checkpoint_every == 0:
-                save_checkpoint(out, head, opt, step, epoch, log)
+                save(epoch)
         means = (sums / max(1, count)).tolist()
         entry = {"epoch": epoch + 1, "step": step, **dict(zip(("loss", "feat", "ce", "acc"), means)),
                  "seconds": round(time.perf_counter() - t0, 1)}
@@ -181,9 +206,9 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             head.train()
         log.append(entry)
         print(json.dumps(entry), flush=True)
-        save_checkpoint(out, head, opt, step, epoch + 1, log)
+        save(epoch + 1)
     head.eval()
-    return log
+    return log, True
 
 
 def export_head(head: EagleHead, out: Path, recipe: Recipe, log: list, extra: dict) -> Path:

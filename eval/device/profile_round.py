@@ -2,7 +2,8 @@
 
 For each backend and method (AR, EAGLE-2): tokens/s over MT-bench first turns, time to the first token
 (prefill), wall ms per round after it, and ms per round when the captured round is replayed back to back
-(the GPU's own time: the difference is host overhead). Then a kernel table of one EAGLE-2 round.
+(the GPU's own time: the difference is host overhead), the rest of a call after its last round, and the
+prefill graphs per length bucket (replay ms; buckets left eager). Then a kernel table of one EAGLE-2 round.
 
     python eval/device/profile_round.py --backends sdpa,packed,flex --out $OUT/profile.json
 """
@@ -72,24 +73,34 @@ def main() -> None:
             for prompt in prompts:  # prefill graphs of every length bucket
                 gen.generate(prompt, 2, autoregressive=ar)
             tokens = secs = 0.0
-            prefill, per_round, taus = [], [], []
+            prefill, per_round, taus, calls, tails = [], [], [], [], []
             for prompt in prompts:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 r = gen.generate(prompt, a.max_new_tokens, autoregressive=ar)
                 torch.cuda.synchronize()
-                secs += time.perf_counter() - t
+                call = time.perf_counter() - t
+                secs += call
                 s = r.stats
                 tokens += s.new_tokens
+                calls.append(call * 1000)
+                tails.append((call - s.elapsed_s) * 1000)
                 prefill.append(s.prefill_s * 1000)
                 per_round.append(1000 * (s.elapsed_s - s.prefill_s) / max(1, s.target_forwards - 1))
                 taus.append(s.tau)
             runner = next(rn for k, rn in gen._runners.items() if k[0] == (not ar) and k[-1] == backend)
             gen.generate(prompts[0], 1, autoregressive=ar)  # fresh state: replays below decode after a prefill
+            prefills = {size: entry[3] for size, entry in runner.prefills.items()}
             row = {"backend": backend, "method": name, "warmup_s": round(warm, 1), "tokens_per_s": round(tokens / secs, 1),
-                   "tau": round(statistics.mean(taus), 3), "prefill_ms": round(statistics.mean(prefill), 2),
+                   "tau": round(statistics.mean(taus), 3), "call_ms": round(statistics.mean(calls), 2),
+                   "prefill_ms": round(statistics.mean(prefill), 2),
                    "wall_ms_per_round": round(statistics.mean(per_round), 3),
-                   "replay_ms_per_round": round(replay_ms(runner.graph[0]), 3) if runner.graph else None}
+                   "replay_ms_per_round": round(replay_ms(runner.graph[0]), 3) if runner.graph else None,
+                   # from the last round read to the end of the call (the round launched in vain, the text)
+                   "tail_ms": round(statistics.mean(tails), 2),
+                   "prefill_buckets": sorted(prefills),
+                   "prefill_buckets_eager": sorted(k for k, v in prefills.items() if v is None),
+                   "prefill_replay_ms": {k: round(replay_ms(v[0], 5), 3) for k, v in sorted(prefills.items()) if v}}
             if not ar and runner.graph:
                 gen.generate(prompts[0], 1)
                 row["kernels"] = kernel_table(runner)
