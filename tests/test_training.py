@@ -276,6 +276,53 @@ def test_answers_choose_the_training_set_and_max_steps_caps_training(llama, tmp_
     assert counts["both"] == counts["original"] + counts["distilled"] and counts["original"] > counts["distilled"]
 
 
+def test_distill_regenerates_later_turns_after_the_targets_own_answers(llama):
+    """distill(turns=N): turn k answers the k-th user message after the target's own earlier answers (the
+    original answers are gone), each answer the target's greedy continuation; a conversation with fewer
+    user turns ends with its last one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(llama.target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(llama.target)
+    words = [c.messages[0]["content"] for c in llama.convs]
+    three = Conversation("three", 0, "synthetic", [
+        {"role": "user", "content": words[0]}, {"role": "assistant", "content": "original one"},
+        {"role": "user", "content": words[1]}, {"role": "assistant", "content": "original two"},
+        {"role": "user", "content": words[2]}])
+    one = Conversation("one", 1, "synthetic", [{"role": "user", "content": words[3]},
+                                               {"role": "assistant", "content": "original"}])
+
+    def greedy(msgs):
+        ids = torch.tensor([_ids(tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True))])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    result = {c.id: c for c in training.distill.distill(model, tokenizer, [three, one], 1, 64, 6, turns=2)}
+    assert set(result) == {"three", "one"} and result["three"].source == "distill:synthetic"
+    msgs = result["three"].messages
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+    assert [msgs[0]["content"], msgs[2]["content"]] == words[:2]
+    assert msgs[1]["content"] == greedy(msgs[:1]) and msgs[3]["content"] == greedy(msgs[:3])
+    assert "original" not in " ".join(m["content"] for m in msgs)
+    assert [m["role"] for m in result["one"].messages] == ["user", "assistant"]
+    # more turns than the conversation has: its third user message is answered, then it ends
+    longer = training.distill.distill(model, tokenizer, [three], 2, 64, 6, turns=5)
+    assert len(longer) == 1 and len(longer[0].messages) == 6 and longer[0].messages[:4] == msgs
+
+
+def test_a_distilled_cache_of_other_settings_is_refused(llama, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(llama.argv(out, "--epochs", 1)) == 0
+    assert json.loads((out / "distilled.json").read_text())["distill_turns"] == 1
+    capsys.readouterr()
+    recipe = llama.write_recipe("recipe_turns.json", distill_turns=2)
+    assert main(llama.argv(out, "--resume", recipe=recipe)) == 2
+    assert "distilled with other settings" in _one_line_error(capsys)
+    assert main(llama.argv(tmp_path / "other", "--distill-turns", 0)) == 2
+    assert "--distill-turns must be at least 1" in _one_line_error(capsys)
+
+
 class Killed(Exception):
     pass
 
@@ -517,6 +564,7 @@ def test_out_is_a_file(llama, tmp_path, capsys):
 @pytest.mark.parametrize("content, expected", [
     (json.dumps({**RECIPE, "epochz": 3}), "unknown keys: epochz"),
     (json.dumps({**RECIPE, "answers": "mine"}), "answers must be both, distilled or original"),
+    (json.dumps({**RECIPE, "distill_turns": 0}), "distill_turns must be at least 1"),
     (json.dumps({**RECIPE, "epochs": "6"}), "epochs must be an integer, got '6'"),
     (json.dumps({**RECIPE, "lr": None}), "lr must be a number, got None"),
     ("{oops", "not valid JSON"),

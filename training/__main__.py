@@ -79,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count", "answers", "init"):
+    for key in ("epochs", "distill_count", "distill_turns", "answers", "init"):
         if getattr(args, key) is not None:
             setattr(recipe, key, getattr(args, key))
+    if recipe.distill_turns < 1:
+        raise InputError(f"--distill-turns must be at least 1, got {recipe.distill_turns}")
     if args.data:
         recipe.data = args.data
     if not recipe.data:
@@ -105,16 +107,24 @@ def run(args: argparse.Namespace) -> int:
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}
     if recipe.distill:
-        cache = out / "distilled.jsonl.gz"
+        cache, settings_file = out / "distilled.jsonl.gz", out / "distilled.json"
+        settings = {k: getattr(recipe, k) for k in ("distill_count", "distill_turns", "distill_prompt_tokens",
+                                                     "distill_new_tokens")}
         if cache.exists():
+            # (a cache without its settings file comes from an older run: taken as it is)
+            made_with = json.loads(settings_file.read_text()) if settings_file.exists() else settings
+            if made_with != settings:
+                raise InputError(f"{cache} was distilled with other settings ({made_with}): use another --out "
+                                 "or delete it")
             distilled = list(read_conversations(cache))
         else:
             from .distill import distill
             t = time.perf_counter()
             pool = train_convs[: recipe.distill_count or None]
             distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
-                                recipe.distill_new_tokens)
+                                recipe.distill_new_tokens, recipe.distill_turns)
             write_conversations(distilled, cache)
+            settings_file.write_text(json.dumps(settings) + "\n")
             timings["distill_s"] = round(time.perf_counter() - t, 1)
         train_convs = {"both": train_convs + distilled, "distilled": distilled, "original": train_convs}[recipe.answers]
     if args.stage == "distill":
@@ -175,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data", action="append", help="conversation file(s) (override the recipe)")
     r.add_argument("--epochs", type=int)
     r.add_argument("--distill-count", type=int)
+    r.add_argument("--distill-turns", type=int, help="regenerate the first N assistant turns (default: the recipe's)")
     r.add_argument("--answers", choices=("both", "distilled", "original"),
                    help="train on the original answers, the target's own (distilled) ones, or both")
     r.add_argument("--stage", choices=("distill", "all"), default="all")

@@ -12,8 +12,9 @@ from fsd_eagle.errors import InputError
 @dataclass
 class Recipe:
     """target: local model folder (None = the default SmolLM2-135M-Instruct). data: conversation files
-    (jsonl/jsonl.gz from ``python -m training.data prepare``). distill: regenerate the first assistant turn
-    of ``distill_count`` conversations with the target (greedy) and train on both answers."""
+    (jsonl/jsonl.gz from ``python -m training.data prepare``). distill: regenerate the first
+    ``distill_turns`` assistant turns of ``distill_count`` conversations with the target (greedy) and train on
+    both answers."""
 
     target: str | None = None
     init: str | None = None  # a head folder to start from (warm start: its weights; a fresh optimizer and schedule)
@@ -24,6 +25,7 @@ class Recipe:
     distill_batch: int = 512
     distill_prompt_tokens: int = 384
     distill_new_tokens: int = 256
+    distill_turns: int = 1  # regenerate the first N assistant turns, each after the target's own earlier answers
     max_len: int = 1024
     tokens_per_batch: int = 16384
     epochs: int = 6
@@ -64,6 +66,8 @@ class Recipe:
         if "betas" in raw:
             raw["betas"] = tuple(raw["betas"])
         recipe = cls(**raw)
+        if recipe.distill_turns < 1:
+            raise InputError(f"recipe {path}: distill_turns must be at least 1, got {recipe.distill_turns}")
         if recipe.answers not in ("both", "distilled", "original"):
             raise InputError(f"recipe {path}: answers must be both, distilled or original, not {recipe.answers!r}")
         return recipe
