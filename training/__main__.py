@@ -75,6 +75,38 @@ def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _distill_settings(recipe: Recipe) -> dict:
+    return {k: getattr(recipe, k) for k in ("distill_count", "distill_turns", "distill_prompt_tokens", "distill_new_tokens")}
+
+
+def check_distilled(out: Path, recipe: Recipe) -> None:
+    """Refuse a run folder whose distilled answers were made with other settings (a cache without its
+    settings file comes from an older run and is taken as it is)."""
+    made_with = out / "distilled.json"
+    if recipe.distill and (out / "distilled.jsonl.gz").exists() and made_with.exists():
+        settings = json.loads(made_with.read_text())
+        if settings != _distill_settings(recipe):
+            raise InputError(f"{out / 'distilled.jsonl.gz'} was distilled with other settings ({settings}): "
+                             "use another --out or --overwrite")
+
+
+def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: list, timings: dict) -> list:
+    """The target's own answers to the training conversations: from the run folder's cache, or made now
+    (self-distillation of the first ``distill_count`` conversations) and cached with their settings."""
+    cache = out / "distilled.jsonl.gz"
+    if cache.exists():
+        return list(read_conversations(cache))
+    from .distill import distill
+    t = time.perf_counter()
+    pool = train_convs[: recipe.distill_count or None]
+    distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
+                        recipe.distill_new_tokens, recipe.distill_turns)
+    write_conversations(distilled, cache)
+    (out / "distilled.json").write_text(json.dumps(_distill_settings(recipe)) + "\n")
+    timings["distill_s"] = round(time.perf_counter() - t, 1)
+    return distilled
+
+
 def run(args: argparse.Namespace) -> int:
     recipe = Recipe.load(args.recipe)
     if args.target:
@@ -90,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("no training data: give --data FILE (from 'python -m training data prepare') or set it in the recipe")
     out = Path(args.out)
     check_out(out, args.resume, args.overwrite)
+    if not args.overwrite:
+        check_distilled(out, recipe)
     # Every input is read before ``out`` is created or cleared, so bad input leaves nothing behind.
     convs = [c for path in recipe.data for c in read_conversations(Path(path))]
     if not convs:
@@ -107,25 +141,7 @@ def run(args: argparse.Namespace) -> int:
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}
     if recipe.distill:
-        cache, settings_file = out / "distilled.jsonl.gz", out / "distilled.json"
-        settings = {k: getattr(recipe, k) for k in ("distill_count", "distill_turns", "distill_prompt_tokens",
-                                                     "distill_new_tokens")}
-        if cache.exists():
-            # (a cache without its settings file comes from an older run: taken as it is)
-            made_with = json.loads(settings_file.read_text()) if settings_file.exists() else settings
-            if made_with != settings:
-                raise InputError(f"{cache} was distilled with other settings ({made_with}): use another --out "
-                                 "or delete it")
-            distilled = list(read_conversations(cache))
-        else:
-            from .distill import distill
-            t = time.perf_counter()
-            pool = train_convs[: recipe.distill_count or None]
-            distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
-                                recipe.distill_new_tokens, recipe.distill_turns)
-            write_conversations(distilled, cache)
-            settings_file.write_text(json.dumps(settings) + "\n")
-            timings["distill_s"] = round(time.perf_counter() - t, 1)
+        distilled = distilled_answers(out, recipe, model, tokenizer, train_convs, timings)
         train_convs = {"both": train_convs + distilled, "distilled": distilled, "original": train_convs}[recipe.answers]
     if args.stage == "distill":
         print(json.dumps({"distilled": len(distilled) if recipe.distill else 0, **timings}))
