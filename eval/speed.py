@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"method": "hf_generate", "backend": "hf", **hf})
     backends = (a.backends.split(",") if a.backends else
                 (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else []))
-    a.compile = "compiled" in backends
+    compiled = "compiled" in backends
     fsd_name = f"fsd_{a.divergence}_T{a.threshold}"
     ours = [(name, kwargs) for key, name, kwargs in (("ar", "ar", dict(autoregressive=True)), ("eagle2", "eagle2", {}),
                                                       ("fsd", fsd_name, dict(fuzzy=fuzzy))) if key in methods]
@@ -280,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         row["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
     extra = {}
     if dev.type == "cuda" and not a.rows_only:
-        for backend in backends[-2:] if a.compile else ["graph"]:
+        for backend in backends[-2:] if compiled else ["graph"]:
             gen.cuda_graphs, gen.compile = True, backend == "compiled"
             extra[f"stage_ms_per_round_{backend}"] = stage_breakdown(gen, prompts[0], compile=gen.compile)
             print(backend, extra[f"stage_ms_per_round_{backend}"], flush=True)
-    gen.cuda_graphs, gen.compile = True, a.compile
+    gen.cuda_graphs, gen.compile = True, compiled
     # Peak memory at a 2048-token context: AR vs EAGLE-2 (graphs), prompt of 1900 tokens + 128 new.
     long_prompt = list(range(1000, 2900))
     mem = {}
@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         mem[name] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
     if mem:
         extra["peak_mem_gb_2048_context"] = mem
-    if not a.skip_8b and not a.rows_only and dev.type == "cuda":
-        tau = next(r["tau"] for r in rows if r["method"] == f"eagle2_{backends[-1]}")
-        extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, a.compile)
+    tau = next((r["tau"] for r in rows if r["method"] == f"eagle2_{backends[-1]}"), None)
+    if not a.skip_8b and not a.rows_only and dev.type == "cuda" and tau is not None:
+        extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, compiled)
     result = {"rows": rows, **extra,
               "meta": {"date": date.today().isoformat(), "device": rows[0]["device"], "torch": torch.__version__,
                        "transformers": transformers.__version__, "dtype": a.dtype, "prompts": len(prompts),

@@ -177,19 +177,24 @@ def _check_fit(cfg: HeadConfig, state: dict, target_config, folder: Path) -> Non
                                 f"the target has {target_config.vocab_size}")
 
 
+def head_weights_file(folder: Path) -> Path | None:
+    """A head folder's weights: model.safetensors, else pytorch_model.bin (EAGLE's layout), else None."""
+    return next((f for f in (folder / "model.safetensors", folder / "pytorch_model.bin") if f.exists()), None)
+
+
 def _read_weights(folder: Path) -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
+    path = head_weights_file(folder)
+    if path is None:
+        raise ModelLoadError(f"no weights in {folder}: expected model.safetensors or pytorch_model.bin")
     try:
-        if st.exists():
-            return load_file(st)
-        if pt.exists():
-            return torch.load(pt, map_location="cpu", weights_only=True)
+        if path.suffix == ".safetensors":
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as e:
         raise ModelLoadError(f"cannot read draft head weights in {folder}: {str(e).splitlines()[0]}") from None
-    raise ModelLoadError(f"no weights in {folder}: expected model.safetensors or pytorch_model.bin")
 
 
 def save_head(head: EagleHead, folder: str | Path, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> None:

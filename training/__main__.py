@@ -20,7 +20,7 @@ from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.errors import FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.models import load_head, load_target, resolve_device, resolve_dtype
+from fsd_eagle.models import head_weights_file, load_head, load_target, resolve_device, resolve_dtype
 from fsd_eagle.target import Target
 
 from .data import main as data_main, read_conversations, write_conversations
@@ -31,11 +31,6 @@ from .train import checkpoint_dir, export_head, train
 
 def _is_val(conv_id: str, fraction: float) -> bool:
     return int(hashlib.sha1(conv_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
-
-
-def _weights_sha256(folder: Path) -> str | None:
-    files = [folder / name for name in ("model.safetensors", "pytorch_model.bin") if (folder / name).exists()]
-    return hashlib.sha256(files[0].read_bytes()).hexdigest() if files else None
 
 
 _TOKENIZER = None
@@ -130,11 +125,13 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("the training data holds no conversation")
     device = resolve_device(args.device)
     model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
-    head_cfg = HeadConfig.for_target(model.config.get_text_config())
-    init = load_head(recipe.init, model.config.get_text_config(), device, torch.float32) if recipe.init else None
-    shapes = lambda sd: {k: tuple(v.shape) for k, v in sd.items()}  # noqa: E731
-    if init is not None and shapes(init.state_dict()) != shapes(EagleHead(head_cfg).state_dict()):
-        raise HeadMismatchError(f"the head in {recipe.init} has another shape than this trainer's head for the target")
+    torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
+    head = EagleHead(HeadConfig.for_target(model.config.get_text_config()))
+    if recipe.init:
+        init = load_head(recipe.init, model.config.get_text_config(), torch.device("cpu"), torch.float32).state_dict()
+        if {k: v.shape for k, v in init.items()} != {k: v.shape for k, v in head.state_dict().items()}:
+            raise HeadMismatchError(f"the head in {recipe.init} has another shape than this trainer's head for the target")
+        head.load_state_dict(init)
     tok_dir = str(Path(recipe.target) if recipe.target else Path(model.config._name_or_path))
     prepare_out(out, args.resume, args.overwrite)
     val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
@@ -153,10 +150,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"conversations": len(train_convs), "examples": len(examples), "loss_tokens": n_tokens,
                       "val_prompts": len(val), **timings}), flush=True)
     target = Target(model)
-    torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
-    head = EagleHead(head_cfg).to(device)
-    if init is not None:
-        head.load_state_dict(init.state_dict())
+    head = head.to(device)
     val_prompts = [c.messages[: next(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
                    for c in val[: recipe.val_prompts]]
 
@@ -179,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"stopped": True, "call_train_s": call_s, **timings, "checkpoint": str(out / "checkpoint"),
                           "continue": "run the same command with --resume"}))
         return 0
-    if init is not None:  # which weights the warm start began from (the init folder may change later)
-        timings["init_sha256"] = _weights_sha256(Path(recipe.init))
+    if recipe.init:  # which weights the warm start began from (the init folder may change later)
+        timings["init_sha256"] = hashlib.sha256(head_weights_file(Path(recipe.init)).read_bytes()).hexdigest()
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     final = export_head(head, out, recipe, log, {"examples": len(examples), "loss_tokens": n_tokens,
                                                 "device": device_name, **timings})
