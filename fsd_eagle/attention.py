@@ -1,7 +1,7 @@
 """Tree attention for the target and the head, over a static slot cache with an explicit mask.
 
-A boolean mask ``[n, S]`` (query rows x cache slots, from ``cache.attention_mask``) is prepared once per
-forward for one of two backends, then every layer attends with it:
+A ``cache.SlotMask`` (which cache slots each query row sees) is prepared once per forward for one of two
+backends, then every layer attends with it:
 
 - ``"sdpa"``: SDPA with an additive mask ``[1, 1, n, S]`` (transformers' own SDPA function for the target).
   It reads all S slots, used or not: on the H200 the masked kernel over a 2048-slot cache was a third of
@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .cache import SlotMask
 from .errors import ConfigError
 
 BACKENDS = ("sdpa", "flex")
@@ -34,13 +35,14 @@ def whole_blocks(slots: int) -> int:
     return -(-slots // FLEX_BLOCK) * FLEX_BLOCK
 
 
-def prepare_mask(mask: torch.Tensor, backend: str, dtype: torch.dtype):
-    """The boolean mask ``[n, S]`` in the form ``attend`` takes for ``backend`` (S a multiple of FLEX_BLOCK
-    for "flex")."""
+def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype):
+    """``mask`` in the form ``attend`` takes for ``backend`` (its cache size a multiple of FLEX_BLOCK for
+    "flex")."""
     if backend == "flex":
         return _block_mask(mask)
     neg = torch.finfo(dtype).min
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, neg)[None, None]
+    dense = mask.dense()
+    return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg)[None, None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
@@ -50,43 +52,54 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
     if not isinstance(mask, torch.Tensor):  # a BlockMask
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=groups > 1)
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=groups > 1,
+                              kernel_options=_flex_options(q))
     if groups > 1:  # SDPA's masked kernels have no grouped-query support on CUDA
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _block_mask(mask: torch.Tensor):
-    """A FlexAttention BlockMask from a dense boolean mask ``[n, S]``: blocks where every row sees every slot
-    are "full" (no mask lookup), blocks where some do are "partial", the rest are skipped."""
+def _flex_options(q: torch.Tensor) -> dict | None:
+    """FlexAttention's query tile on CUDA for fewer than FLEX_BLOCK query rows: 16 rows, not the default
+    128. A round's queries are few (AR 1, a draft level 8, a tree 48) and the grid has one program per
+    (query tile, head), so a 128-row tile computes mostly padding on few programs. On an H100 (9/3 heads x
+    64, ~500 cached tokens; eval/device/bench_ops.py) 1 / 8 / 48 rows took 16.2 / 16.4 / 20.6 us with the
+    default tile, 8.6 / 8.6 / 10.5 with 64 rows and 7.0 / 7.0 / 8.3 with 16."""
+    if not q.is_cuda or q.shape[2] >= FLEX_BLOCK:
+        return None
+    return {"BLOCK_M": 16}
+
+
+def _block_mask(mask: SlotMask):
+    """A FlexAttention BlockMask (forward only: no q-block lists, which only the backward reads). Blocks
+    wholly inside the committed prefix are "full" (no mask lookup), the blocks from the prefix's last one to
+    the end of the new rows "partial" (the dense mask decides), the rest skipped; with a sliding window
+    every block up to the new rows is partial. The lists come from ``mask.prefix`` by arithmetic: a round
+    builds a mask per draft level, and reductions and sorts over dense block flags cost ~8 kernels each."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    n, s = mask.shape
+    (n, m), s = mask.anc.shape, mask.max_len
     if s % FLEX_BLOCK:
         raise ConfigError(f"a FlexAttention cache needs a multiple of {FLEX_BLOCK} slots, got {s}")
-    pad = whole_blocks(n) - n
-    nq, nk = (n + pad) // FLEX_BLOCK, s // FLEX_BLOCK
+    nq, nk = whole_blocks(n) // FLEX_BLOCK, s // FLEX_BLOCK
+    cols = torch.arange(nk, dtype=torch.int32, device=mask.anc.device)
+    full = mask.prefix // FLEX_BLOCK if mask.window is None else torch.zeros_like(mask.prefix)
+    last = (mask.prefix + m - 1) // FLEX_BLOCK
 
-    def blocks(fill: bool) -> torch.Tensor:  # [nq, B, nk, B]; padding rows are never computed
-        rows = torch.cat([mask, mask.new_full((pad, s), fill)]) if pad else mask
-        return rows.view(nq, FLEX_BLOCK, nk, FLEX_BLOCK)
+    def lists(count: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """count [1, 1, nq] and indices [1, 1, nq, nk]: blocks first, first + 1, ... (in range)."""
+        index = (cols + first).clamp(max=nk - 1).to(torch.int32)
+        return (count.to(torch.int32).expand(1, 1, nq).contiguous(),
+                index.expand(1, 1, nq, nk).contiguous())
 
-    rows = blocks(False)
-    full = blocks(True).all(3).all(1)
-    partial = rows.any(3).any(1) & ~full
-
-    def kv_list(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        count = sel.sum(-1, dtype=torch.int32)
-        order = torch.argsort(sel.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return count[None, None], order[None, None]
-
-    dense = rows.view(nq * FLEX_BLOCK, s)
+    dense = mask.dense(nq * FLEX_BLOCK)  # whole query blocks: the kernel evaluates whole tiles
 
     def mask_mod(b, h, q_idx, kv_idx):
         return dense[q_idx, kv_idx]
 
-    return BlockMask.from_kv_blocks(*kv_list(partial), *kv_list(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(n, s))
+    return BlockMask.from_kv_blocks(*lists(last - full + 1, full), *lists(full, torch.zeros_like(full)),
+                                    BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(n, s),
+                                    compute_q_blocks=False)
 
 
 def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

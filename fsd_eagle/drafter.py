@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import no_cudnn, prepare_mask, whole_blocks
-from .cache import attention_mask
+from .cache import SlotMask
 from .config import TreeConfig
 from .head import EagleHead
 from .ops import pick
@@ -51,7 +51,7 @@ class SlotDrafter:
         n = next_tokens.shape[0]
         idx = torch.arange(n, device=next_tokens.device)
         slots = self.length + idx
-        mask = attention_mask(self.length, slots, idx.unsqueeze(1) >= idx.unsqueeze(0), self.max_len)
+        mask = SlotMask(self.length, idx.unsqueeze(1) >= idx.unsqueeze(0), self.max_len)
         states = self._forward(next_tokens, features, slots, slots, mask, backend)
         state = pick(states, n_accepted - 1)
         self.length += n_accepted
@@ -62,7 +62,9 @@ class SlotDrafter:
         """One tree level: rows go to scratch slots level-major after the prefix, at position length + depth - 1."""
         k = tokens.shape[0]
         area = self.length + torch.arange(rows_anc.shape[1], device=tokens.device)
-        mask = attention_mask(self.length, area, rows_anc, self.max_len)
+        # Level d's rows sit at position length + d - 1 (for a draft model with a sliding window).
+        area_positions = self.length + torch.arange(rows_anc.shape[1], device=tokens.device) // k
+        mask = SlotMask(self.length, rows_anc, self.max_len, key_positions=area_positions)
         positions = (self.length + depth - 1).expand(k)
         out = self._forward(tokens, states, positions, area[(depth - 1) * k: depth * k], mask)
         return self._logits(out), out

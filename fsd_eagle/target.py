@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import attention
-from .cache import SlotCache, attention_mask, key_positions
+from .cache import SlotCache, SlotMask
 from .errors import ConfigError
 
 
@@ -77,28 +77,26 @@ class Target:
         self.length.zero_()
 
     @torch.no_grad()
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: SlotMask,
             backend: str | None = None) -> torch.Tensor:
-        """One forward over new tokens. tokens, positions, slots: ``[n]``; mask: ``[n, S]`` bool; ``backend``
-        of attention (default: ``self.attention``). Returns f ``[n, h]``."""
+        """One forward over new tokens. tokens, positions, slots: ``[n]``; mask: what each row sees;
+        ``backend`` of attention (default: ``self.attention``). Returns f ``[n, h]``."""
         cache = self.cache
         if cache is None:
             raise ConfigError("Target.allocate(max_len) must be called before a forward")
         cache.set_write_slots(slots)
-        masks = self._masks(mask, positions, slots, backend or self.attention)
+        masks = self._masks(mask, positions, backend or self.attention)
         out = self.base(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), attention_mask=masks,
                         use_cache=True, **{self.cache_kwarg: cache})
         return out.last_hidden_state[0]
 
-    def _masks(self, mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, backend: str):
-        """The mask(s) in the attention backend's form; sliding-window layers get the window applied to key
+    def _masks(self, mask: SlotMask, positions: torch.Tensor, backend: str):
+        """The mask(s) in the attention backend's form; sliding-window layers get the window on key
         positions too. Models without ``layer_types`` (Mistral, Phi-3, ...) slide on every layer whenever
         ``sliding_window`` is set."""
         if not self.sliding_window or (self.layer_types and "sliding_attention" not in self.layer_types):
             return attention.prepare_mask(mask, backend, self.dtype)
-        kpos = key_positions(slots, positions, mask.shape[1])
-        in_window = positions.unsqueeze(1) - kpos.unsqueeze(0) < self.sliding_window
-        window = attention.prepare_mask(mask & in_window, backend, self.dtype)
+        window = attention.prepare_mask(mask.windowed(positions, self.sliding_window), backend, self.dtype)
         if not self.layer_types:
             return window
         return {"full_attention": attention.prepare_mask(mask, backend, self.dtype), "sliding_attention": window}
@@ -117,7 +115,7 @@ class Target:
         pos = torch.arange(n, device=self.device)
         causal = pos.unsqueeze(1) >= pos.unsqueeze(0)
         with attention.no_cudnn():
-            features = self.run(tokens, pos, pos, attention_mask(self.length, pos, causal, self.cache.max_len), "sdpa")
+            features = self.run(tokens, pos, pos, SlotMask(self.length, causal, self.cache.max_len), "sdpa")
         self.length.fill_(n)
         return features
 
@@ -127,8 +125,7 @@ class Target:
         (ancestor-or-self). Writes slots L..L+n-1 at positions L + depth; returns f ``[n, h]``."""
         n = tokens.shape[0]
         slots = self.length + torch.arange(n, device=self.device)
-        mask = attention_mask(self.length, slots, anc, self.cache.max_len)
-        return self.run(tokens, self.length + depths, slots, mask)
+        return self.run(tokens, self.length + depths, slots, SlotMask(self.length, anc, self.cache.max_len))
 
     def commit(self, path: torch.Tensor, n_accepted: torch.Tensor) -> None:
         """Keep the accepted root path: node path[i] (a tree index, ``[P]``, padded) moves to slot L + i;

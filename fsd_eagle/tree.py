@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from .config import TreeConfig
+from .kernels import topk
 
 
 @dataclass
@@ -68,8 +69,8 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     frontier. Finally the ``total_tokens - 1`` best candidates (a connected subtree) become the tree.
     """
     k, depth, dev = cfg.top_k, cfg.depth, root_logits.device
-    logp = torch.log_softmax(root_logits.float(), dim=-1)
-    score, tok = logp.topk(k)
+    score, tok = _top_logprobs(root_logits[None], k)
+    score, tok = score[0], tok[0]
     cand_tok, cand_score, cand_parent, cand_depth = [tok], [score], [torch.full((k,), -1, device=dev)], [1]
     q_logits, q_cands = [root_logits.reshape(1, -1)], []
     frontier = torch.arange(k, device=dev)  # candidate indices of the frontier
@@ -83,7 +84,7 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
         logits, out_states = drafter.step(d, tok, states, rows_anc)
         q_logits.append(logits)
         q_cands.append(frontier)
-        child_score, child_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [k, k]
+        child_score, child_tok = _top_logprobs(logits, k)  # [k, k]
         cum = (score.unsqueeze(1) + child_score).flatten()
         child_tok = child_tok.flatten()
         cand_tok.append(child_tok)
@@ -91,12 +92,21 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
         cand_parent.append(frontier.repeat_interleave(k))
         cand_depth.append(d + 1)
         if d < depth - 1:
-            score, best = cum.topk(k)
+            score, best = topk(cum[None], k)
+            score, best = score[0], best[0]
             parent_row = best // k
             tok, frontier = child_tok[best], offset + best
             states, rows_anc = out_states[parent_row], rows_anc[parent_row]
         offset += k * k
     return _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg)
+
+
+def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row of draft logits ``[R, V]`` and their log-probs ``[R, k]``: the
+    top k of the logits minus the row's logsumexp (no [R, V] log-softmax is written)."""
+    logits = logits.float()
+    vals, tok = topk(logits, k)
+    return vals - logits.logsumexp(-1, keepdim=True), tok
 
 
 def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg: TreeConfig) -> DraftTree:

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 import fsd_eagle.verify as verify_module
 from conftest import tiny_model
-from fsd_eagle.attention import BACKENDS
+from fsd_eagle.attention import BACKENDS, FLEX_BLOCK, _block_mask
+from fsd_eagle.cache import SlotMask
 from fsd_eagle.config import SamplingConfig, TreeConfig
 from fsd_eagle.decode import (DecodeStats, PendingRound, RoundRunner, compiled_prefill, compiled_round, decode,
                               plan_cache, prefill, prefill_bucket, run_round)
@@ -173,6 +174,57 @@ def test_greedy_decoding_is_exact_with_flex_attention(arch):
     backend = "flex"
     for kind in ("eagle", "noisy"):
         check_greedy_exact(arch, model, kind, seeds=(0,), backend=backend)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 140), m_extra=st.integers(0, 30), prefix=st.integers(0, 400), window=st.sampled_from([None, 5, 200]),
+       seed=st.integers(0, 10_000))
+def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed):
+    """SlotMask.dense is the mask spelled out (committed slots, then the new slots by anc, then a window on
+    positions), and the FlexAttention block lists cover it: a "full" block is seen whole by every row, a
+    skipped block by none."""
+    gen = torch.Generator().manual_seed(seed)
+    m = n + m_extra if window is None else n  # a windowed mask's new slots are its own rows
+    anc = torch.rand(n, m, generator=gen) < 0.5
+    slots = -(-(prefix + m + 1) // FLEX_BLOCK) * FLEX_BLOCK + FLEX_BLOCK * int(seed % 2)
+    mask = SlotMask(torch.tensor(prefix), anc, slots)
+    positions = prefix + torch.randint(0, m + 1, (n,), generator=gen)
+    if window is not None:
+        mask = mask.windowed(positions, window)
+    ref = torch.zeros(n, slots, dtype=torch.bool)
+    ref[:, :prefix] = True
+    ref[:, prefix: prefix + m] = anc
+    if window is not None:
+        key_pos = torch.arange(slots)
+        key_pos[prefix: prefix + m] = positions
+        ref &= positions.unsqueeze(1) - key_pos.unsqueeze(0) < window
+    assert torch.equal(mask.dense(), ref)
+    block = _block_mask(mask)
+    lists = ((block.kv_num_blocks, block.kv_indices), (block.full_kv_num_blocks, block.full_kv_indices))
+    for q_block in range(-(-n // FLEX_BLOCK)):
+        rows = ref[q_block * FLEX_BLOCK: (q_block + 1) * FLEX_BLOCK].view(-1, slots // FLEX_BLOCK, FLEX_BLOCK)
+        listed = torch.zeros(slots // FLEX_BLOCK, dtype=torch.bool)
+        for full, (count, index) in enumerate(lists):
+            chosen = index[0, 0, q_block, : int(count[0, 0, q_block])].long()
+            assert not listed[chosen].any()  # a block is either full or partial
+            listed[chosen] = True
+            assert not full or rows[:, chosen].all()
+        assert not rows[:, ~listed].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton top-k runs on CUDA only")
+@pytest.mark.parametrize("shape", [(8, 49152), (1, 49152), (1, 64), (3, 5000), (2, 262144)])
+def test_triton_topk_equals_torch_topk(shape):
+    """fsd_eagle.kernels.topk on CUDA: torch.topk's values; on ties, distinct indices of equal values."""
+    from fsd_eagle.kernels import topk
+
+    x = torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    vals, idx = topk(x, 8)
+    ref = x.topk(8)
+    assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
+    x[:, 10:40] = 9.0
+    vals, idx = topk(x, 8)
+    assert (vals == 9).all() and torch.equal(idx, torch.arange(10, 18, device="cuda").expand(shape[0], 8))
 
 
 def test_flex_backend_leaves_transformers_generate_on_stock_sdpa(tiny_llama):
@@ -976,6 +1028,22 @@ def test_compiled_prefill_equals_the_eager_one(tiny_llama):
                         drafter.cache.values[..., :n, :].clone()))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
+    """No graph break in run_round (each break splits inductor's fusion and adds launches to the round)."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(tiny_llama)
+    target = Target(model)
+    target.use_attention(backend)
+    drafter = _drafter("eagle", model, target)
+    cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
+    runner = RoundRunner(target, drafter, cfg, GREEDY, use_graph=False)
+    next(decode(target, drafter, random_prompt(1, 128), 2, cfg, GREEDY, None, DecodeStats(), runner))
+    report = torch._dynamo.explain(run_round)(target, drafter, runner.state, cfg, GREEDY, None)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
 
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")

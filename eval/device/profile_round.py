@@ -5,7 +5,7 @@ For each backend and method (AR, EAGLE-2): tokens/s over MT-bench first turns, t
 (the GPU's own time: the difference is host overhead), the rest of a call after its last round, and the
 prefill graphs per length bucket (replay ms; buckets left eager). Then a kernel table of one EAGLE-2 round.
 
-    python eval/device/profile_round.py --backends sdpa,packed,flex --out $OUT/profile.json
+    python eval/device/profile_round.py --backends sdpa,flex --out $OUT/profile.json [--trace $OUT/round]
 """
 
 import argparse
@@ -50,14 +50,26 @@ def kernel_table(runner, rounds: int = 5, top: int = 25) -> dict:
                      "ms_per_round": round(e.self_device_time_total / rounds / 1000, 4)} for e in rows[:top]]}
 
 
+def export_trace(runner, path: str) -> None:
+    """Chrome trace of one replayed EAGLE-2 round: every kernel in launch order with its duration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = runner.graph
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--backends", default="sdpa,packed,flex")
+    p.add_argument("--backends", default="sdpa,flex")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", help="total/depth/top_k (default: the device's preset)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument("--trace", help="also write a chrome trace of one EAGLE-2 round (per backend) to TRACE.<backend>.json")
     a = p.parse_args()
     tree = TreeConfig(*map(int, a.tree.split("/"))) if a.tree else None
     gen = SpeculativeGenerator.load(device="cuda", dtype="bfloat16", tree=tree, compile=not a.no_compile)
@@ -104,6 +116,8 @@ def main() -> None:
             if not ar and runner.graph:
                 gen.generate(prompts[0], 1)
                 row["kernels"] = kernel_table(runner)
+                if a.trace:
+                    export_trace(runner, f"{a.trace}.{backend}.json")
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
             Path(a.out).write_text(json.dumps(out, indent=1))

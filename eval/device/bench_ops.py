@@ -1,0 +1,148 @@
+"""Micro-benchmarks of the small ops a decoding round is made of, each compiled and replayed in a CUDA graph
+(the form they take in a round), on the shapes of SmolLM2-135M-Instruct with a 48-node tree:
+
+- top-k over the draft's vocabulary (rows x V float32 logits, k = top_k): torch.topk, two-stage variants,
+  fsd_eagle.kernels.topk (checked against torch.topk first), and the small top-k over the k x k children;
+- FlexAttention for 1, 8 and 48 query rows over a 2048-slot cache with a ~500-token prefix, under
+  kernel_options (query/key tile sizes, warps, stages).
+
+    python eval/device/bench_ops.py --out $OUT/bench_ops.json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fsd_eagle.attention import prepare_mask  # noqa: E402
+from fsd_eagle.cache import SlotMask  # noqa: E402
+from fsd_eagle.kernels import topk as kernel_topk  # noqa: E402
+
+
+def graph_us(fn, reps: int = 50) -> float:
+    """GPU microseconds per call of ``fn`` (compiled, warmed up, captured ``reps`` times in one graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) * 1000 / (5 * reps), 2)
+
+
+def two_stage(x, k, chunk, sort_first=False):
+    v = x.shape[-1]
+    pad = -v % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    y = x.unflatten(-1, (-1, chunk))
+    if sort_first:
+        vals, idx = y.sort(-1, descending=True)
+        vals, idx = vals[..., :k], idx[..., :k]
+    else:
+        vals, idx = y.topk(k, sorted=False)
+    idx = idx + torch.arange(0, v + pad, chunk, device=x.device).unsqueeze(-1)
+    vals, best = vals.flatten(-2).topk(k)
+    return vals, idx.flatten(-2).gather(-1, best)
+
+
+def bench_topk(v: int, k: int) -> list[dict]:
+    rows = []
+    for shape in [(k, v), (1, v), (1, k * k), (3, 5000), (2, 262144), (k, 128256)]:
+        x = torch.randn(*shape, device="cuda")
+        x[-1, 100:300] = 5.0  # ties
+        got, ref = kernel_topk(x, k), x.topk(k)
+        assert torch.equal(got[0], ref.values), shape
+        assert torch.equal(x.gather(1, got[1]), got[0]) and all(len(set(r)) == k for r in got[1].tolist()), shape
+        if shape[0] > 1:
+            assert torch.equal(got[1][:-1], ref.indices[:-1]), shape
+    rows.append({"op": "kernel_topk_check", "ok": True})
+    for r in (1, k):
+        x = torch.randn(r, v, device="cuda")
+        variants = {
+            "kernel_topk": lambda x=x: kernel_topk(x, k),
+            "topk": lambda x=x: x.topk(k),
+            "topk_bf16_then_gather": lambda x=x: x.gather(-1, x.bfloat16().topk(k).indices),
+            "logsumexp": lambda x=x: x.logsumexp(-1),
+            "log_softmax_topk": lambda x=x: torch.log_softmax(x, -1).topk(k),
+        }
+        for chunk in (256, 1024, 4096):
+            variants[f"two_stage_{chunk}"] = lambda x=x, c=chunk: two_stage(x, k, c)
+        for chunk in (1024, 4096):
+            variants[f"two_stage_sort_{chunk}"] = lambda x=x, c=chunk: two_stage(x, k, c, True)
+        for name, fn in variants.items():
+            rows.append({"op": "topk", "rows": r, "V": v, "k": k, "variant": name,
+                         "us": graph_us(torch.compile(fn, dynamic=False))})
+            print(json.dumps(rows[-1]), flush=True)
+    small = torch.randn(k * k, device="cuda")
+    for name, fn in {"topk": lambda: small.topk(k), "sort": lambda: small.sort(descending=True),
+                     "kernel_topk": lambda: kernel_topk(small[None], k)}.items():
+        rows.append({"op": "small_topk", "n": k * k, "k": k, "variant": name, "us": graph_us(fn)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_flex(heads: int, kv_heads: int, dim: int, slots: int, prefix: int) -> list[dict]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    rows = []
+    k = torch.randn(1, kv_heads, slots, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    options = [None, {"BLOCK_M": 64}, {"BLOCK_M": 16}, {"BLOCK_M": 64, "BLOCK_N": 64},
+               {"BLOCK_M": 16, "BLOCK_N": 64}, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 2, "num_stages": 1}]
+    for n in (1, 8, 48):
+        q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+        idx = torch.arange(n, device="cuda")
+        anc = idx.unsqueeze(1) >= idx.unsqueeze(0)
+        mask = SlotMask(torch.tensor(prefix, device="cuda"), anc, slots)
+        block_mask = prepare_mask(mask, "flex", torch.bfloat16)
+        for opts in options:
+            torch._dynamo.reset()  # one compile per option (the recompile limit is 8)
+            fn = torch.compile(lambda q, o=opts: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                                                 kernel_options=o), dynamic=False)
+            try:
+                us = graph_us(lambda: fn(q))
+            except Exception as e:  # an option this Triton/inductor cannot lower: report it, go on
+                us = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append({"op": "flex", "q_rows": n, "heads": f"{heads}/{kv_heads}x{dim}", "slots": slots,
+                         "prefix": prefix, "kernel_options": opts, "us": us})
+            print(json.dumps(rows[-1]), flush=True)
+        sdpa = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1),
+            attn_mask=prepare_mask(mask, "sdpa", torch.bfloat16)), dynamic=False)
+        rows.append({"op": "sdpa_masked_full_cache", "q_rows": n, "us": graph_us(lambda: sdpa(q))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--skip", default="", help="comma list of sections to skip: topk,flex")
+    a = p.parse_args()
+    skip = set(a.skip.split(","))
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    if "topk" not in skip:
+        out["rows"] += bench_topk(49152, 8)
+    if "flex" not in skip:
+        out["rows"] += bench_flex(9, 3, 64, 2048, 500)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
