@@ -29,7 +29,7 @@ from fsd_eagle.head import EagleHead, HeadConfig
 from fsd_eagle.models import load_head, load_target, save_head
 from test_api import make_tokenizer
 from training.__main__ import main
-from training.data import Conversation, write_conversations
+from training.data import Conversation, read_conversations, write_conversations
 
 torch.set_num_threads(1)
 
@@ -316,11 +316,47 @@ def test_a_distilled_cache_of_other_settings_is_refused(llama, tmp_path, capsys)
     assert main(llama.argv(out, "--epochs", 1)) == 0
     assert json.loads((out / "distilled.json").read_text())["distill_turns"] == 1
     capsys.readouterr()
-    recipe = llama.write_recipe("recipe_turns.json", distill_turns=2)
+    recipe = llama.write_recipe("recipe_tokens.json", distill_new_tokens=9)
     assert main(llama.argv(out, "--resume", recipe=recipe)) == 2
+    assert "distilled with other settings" in _one_line_error(capsys)
+    (out / "distilled.json").write_text(json.dumps({**json.loads((out / "distilled.json").read_text()),
+                                                    "distill_turns": 3}))
+    assert main(llama.argv(out, "--resume", "--distill-turns", 2)) == 2  # fewer turns than the cache
     assert "distilled with other settings" in _one_line_error(capsys)
     assert main(llama.argv(tmp_path / "other", "--distill-turns", 0)) == 2
     assert "--distill-turns must be at least 1" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("sidecar", [True, False])
+def test_a_distilled_cache_is_extended_to_more_turns(llama, tmp_path, monkeypatch, sidecar):
+    """A cache of first turns (with its settings file, or from an older run without one) and a recipe with
+    2 turns: only turn 2 is generated, from the cached first answers; the cache and its settings become
+    those of 2 turns, the same as distilling 2 turns from scratch."""
+    convs = llama.convs
+    data = tmp_path / "two_turns.jsonl.gz"  # each conversation continues with the next one's user message
+    write_conversations([dataclasses.replace(c, messages=c.messages + convs[(i + 1) % len(convs)].messages[:1])
+                         for i, c in enumerate(convs)], data)
+    out, scratch = tmp_path / "run", tmp_path / "scratch"
+    assert main(llama.argv(out, "--stage", "distill", data=data)) == 0
+    if not sidecar:
+        (out / "distilled.json").unlink()
+    first = (out / "distilled.jsonl.gz").read_bytes()
+    calls = []
+    real = training.distill.distill
+
+    def spy(*args, **kwargs):
+        calls.append(args[8] if len(args) > 8 else kwargs.get("done_turns", 0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training.distill, "distill", spy)
+    assert main(llama.argv(out, "--resume", "--stage", "distill", "--distill-turns", 2, data=data)) == 0
+    assert calls == [1]
+    assert json.loads((out / "distilled.json").read_text())["distill_turns"] == 2
+    assert main(llama.argv(scratch, "--stage", "distill", "--distill-turns", 2, data=data)) == 0
+    assert calls == [1, 0]
+    extended, fresh = (list(read_conversations(d / "distilled.jsonl.gz")) for d in (out, scratch))
+    assert extended == fresh and (out / "distilled.jsonl.gz").read_bytes() != first
+    assert any(sum(m["role"] == "assistant" for m in c.messages) == 2 for c in extended)
 
 
 class Killed(Exception):

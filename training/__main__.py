@@ -74,28 +74,45 @@ def _distill_settings(recipe: Recipe) -> dict:
     return {k: getattr(recipe, k) for k in ("distill_count", "distill_turns", "distill_prompt_tokens", "distill_new_tokens")}
 
 
-def check_distilled(out: Path, recipe: Recipe) -> None:
-    """Refuse a run folder whose distilled answers were made with other settings (a cache without its
-    settings file comes from an older run and is taken as it is)."""
+def cached_distill_settings(out: Path, recipe: Recipe) -> dict | None:
+    """The settings of the run folder's distilled answers (None without a cache). A cache without its
+    settings file comes from an older run, which distilled first turns only: taken as made with the
+    recipe's other settings."""
+    if not (out / "distilled.jsonl.gz").exists():
+        return None
     made_with = out / "distilled.json"
-    if recipe.distill and (out / "distilled.jsonl.gz").exists() and made_with.exists():
-        settings = json.loads(made_with.read_text())
-        if settings != _distill_settings(recipe):
-            raise InputError(f"{out / 'distilled.jsonl.gz'} was distilled with other settings ({settings}): "
-                             "use another --out or --overwrite")
+    if made_with.exists():
+        return json.loads(made_with.read_text())
+    return {**_distill_settings(recipe), "distill_turns": 1}
+
+
+def check_distilled(out: Path, recipe: Recipe) -> None:
+    """Refuse a run folder whose distilled answers were made with other settings, unless only with fewer
+    turns (they are then extended)."""
+    settings = cached_distill_settings(out, recipe)
+    if not recipe.distill or settings is None:
+        return
+    wanted = _distill_settings(recipe)
+    if {**settings, "distill_turns": wanted["distill_turns"]} != wanted or settings["distill_turns"] > wanted["distill_turns"]:
+        raise InputError(f"{out / 'distilled.jsonl.gz'} was distilled with other settings ({settings}): "
+                         "use another --out or --overwrite")
 
 
 def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: list, timings: dict) -> list:
-    """The target's own answers to the training conversations: from the run folder's cache, or made now
-    (self-distillation of the first ``distill_count`` conversations) and cached with their settings."""
+    """The target's own answers to the training conversations: from the run folder's cache, made now
+    (self-distillation of the first ``distill_count`` conversations), or the cache extended to more turns;
+    what is made is cached with its settings."""
     cache = out / "distilled.jsonl.gz"
-    if cache.exists():
-        return list(read_conversations(cache))
+    settings = cached_distill_settings(out, recipe)
+    cached = list(read_conversations(cache)) if settings else []
+    if settings == _distill_settings(recipe):
+        return cached
     from .distill import distill
     t = time.perf_counter()
     pool = train_convs[: recipe.distill_count or None]
     distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
-                        recipe.distill_new_tokens, recipe.distill_turns)
+                        recipe.distill_new_tokens, recipe.distill_turns, cached,
+                        settings["distill_turns"] if settings else 0)
     write_conversations(distilled, cache)
     (out / "distilled.json").write_text(json.dumps(_distill_settings(recipe)) + "\n")
     timings["distill_s"] = round(time.perf_counter() - t, 1)

@@ -13,14 +13,18 @@ from .data import Conversation
 
 @torch.no_grad()
 def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_tokens: int, new_tokens: int,
-            turns: int = 1) -> list[Conversation]:
+            turns: int = 1, done: list[Conversation] = (), done_turns: int = 0) -> list[Conversation]:
     """Regenerate the first ``turns`` assistant turns of each conversation, turn by turn: turn k answers the
     conversation's k-th user message after the target's own earlier answers (the original answers are
     dropped), so every assistant turn of a result is the target's. Returns new conversations (source
-    'distill:<source>'); one stops at its first empty answer."""
-    dialogs = {c.id: [] for c in convs}  # the regenerated conversation so far
-    alive = list(convs)
-    for k in range(turns):
+    'distill:<source>'); one stops at its first empty answer.
+
+    ``done``: an earlier result of the same settings with ``done_turns`` turns, extended here from turn
+    ``done_turns`` on (a conversation it ended, or left out, stays so)."""
+    made = {c.id: c.messages for c in done}
+    dialogs = {c.id: list(made.get(c.id, [])) for c in convs}  # the regenerated conversation so far
+    alive = [c for c in convs if sum(m["role"] == "assistant" for m in dialogs[c.id]) == done_turns]
+    for k in range(done_turns, turns):
         jobs = []
         for c in alive:
             msgs = _turn_prompt(c.messages, k)
