@@ -102,24 +102,48 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _fuse_linears(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
+    """Keep the published layout's separate linears (``parts``, e.g. q_proj/k_proj/v_proj) in state dicts
+    while the module holds them as one linear ``fused`` (their weights stacked by rows): one GEMM instead of
+    several in every head forward, each of which costs a kernel launch in a GPU round."""
+
+    def split(mod, state, prefix, meta):
+        for kind in ("weight", "bias"):
+            if prefix + f"{fused}.{kind}" in state:
+                whole = state.pop(prefix + f"{fused}.{kind}")
+                for name, piece in zip(parts, whole.split(mod.fused_sizes[fused])):
+                    state[prefix + f"{name}.{kind}"] = piece.clone()  # own storage: safetensors refuses shared
+
+    def join(mod, state, prefix, *args):
+        for kind in ("weight", "bias"):
+            if all(prefix + f"{name}.{kind}" in state for name in parts):
+                state[prefix + f"{fused}.{kind}"] = torch.cat([state.pop(prefix + f"{name}.{kind}") for name in parts])
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)
+
+
 class Attention(nn.Module):
+    """Self-attention; q/k/v are one linear here, three (q_proj, k_proj, v_proj) in state dicts."""
+
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         d, h, kv = cfg.dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.n_heads, self.n_kv, self.dim = h, kv, d
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.fused_sizes = {"qkv_proj": [h * d, kv * d, kv * d]}
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * kv) * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        _fuse_linears(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "HeadCache",
                 slots: torch.Tensor, mask) -> torch.Tensor:
         """x ``[B, n, h]``; cos/sin ``[B, n, d]``; mask: None (training: causal over x, no cache) or, with a
         cache (B = 1), a mask prepared by ``attention.prepare_mask``."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.n_heads, self.dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.n_kv, self.dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split(self.fused_sizes["qkv_proj"], dim=-1)
+        q = q.view(b, n, self.n_heads, self.dim).transpose(1, 2)
+        k = k.view(b, n, self.n_kv, self.dim).transpose(1, 2)
+        v = v.reshape(b, n, self.n_kv, self.dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads > self.n_kv)
@@ -131,15 +155,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Gated MLP; gate/up are one linear here, two (gate_proj, up_proj) in state dicts."""
+
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.fused_sizes = {"gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = nn.SiLU() if cfg.hidden_act == "silu" else nn.GELU(approximate="tanh")
+        _fuse_linears(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -640,6 +640,32 @@ def _eagle_layout_config(target_config, qkv_bias: bool = False) -> dict:
     return raw
 
 
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_head_runs_the_published_layers_with_fused_linears(tiny_llama, qkv_bias):
+    """The head holds q/k/v and gate/up as one linear each, yet reads and writes EAGLE's separate ones, and
+    computes what the separate linears compute."""
+    import torch.nn.functional as F
+
+    raw = _eagle_layout_config(tiny_llama.config, qkv_bias)
+    state = {k: v for k, v in _eagle_layout_state(raw).items() if k != "embed_tokens.weight"}
+    head = EagleHead(HeadConfig.for_target(tiny_llama.config, attention_bias=qkv_bias, rms_norm_eps=1e-5)).eval()
+    head.load_state_dict(state)
+    saved = head.state_dict()
+    assert set(saved) == set(state) and all(torch.equal(saved[k], state[k]) for k in state)
+    x = torch.randn(1, 5, raw["hidden_size"], generator=torch.Generator().manual_seed(1))
+    attn, mlp = head.layers[0].self_attn, head.layers[0].mlp
+
+    def linear(name):
+        bias = state.get(f"layers.0.{name}.bias")
+        return F.linear(x, state[f"layers.0.{name}.weight"], bias)
+
+    fused = attn.qkv_proj(x).split(attn.fused_sizes["qkv_proj"], dim=-1)
+    for got, name in zip(fused, ("q_proj", "k_proj", "v_proj")):
+        torch.testing.assert_close(got, linear(f"self_attn.{name}"))
+    torch.testing.assert_close(mlp(x), F.linear(F.silu(linear("mlp.gate_proj")) * linear("mlp.up_proj"),
+                                                state["layers.0.mlp.down_proj.weight"]))
+
+
 def _assert_decodes_exactly(model, head):
     target = Target(model)
     drafter = EagleDrafter(head, target)
