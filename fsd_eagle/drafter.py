@@ -61,10 +61,10 @@ class SlotDrafter:
     def step(self, depth: int, tokens: torch.Tensor, states: torch.Tensor, rows_anc: torch.Tensor):
         """One tree level: rows go to scratch slots level-major after the prefix, at position length + depth - 1."""
         k = tokens.shape[0]
-        area = self.length + torch.arange(rows_anc.shape[1], device=tokens.device)
+        offsets = torch.arange(rows_anc.shape[1], device=tokens.device)
+        area = self.length + offsets
         # Level d's rows sit at position length + d - 1 (for a draft model with a sliding window).
-        area_positions = self.length + torch.arange(rows_anc.shape[1], device=tokens.device) // k
-        mask = SlotMask(self.length, rows_anc, self.max_len, key_positions=area_positions)
+        mask = SlotMask(self.length, rows_anc, self.max_len, key_positions=self.length + offsets // k)
         positions = (self.length + depth - 1).expand(k)
         out = self._forward(tokens, states, positions, area[(depth - 1) * k: depth * k], mask)
         return self._logits(out), out
