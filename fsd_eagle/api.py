@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .attention import check_backend
+from .attention import check_backend, flex_supported
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
@@ -127,7 +127,7 @@ class SpeculativeGenerator:
         if self.attention is not None:
             return self.attention
         compiled = self.compile and self.cuda_graphs and self.target.device.type == "cuda"
-        return "flex" if compiled and not getattr(self.target.config, "attn_logit_softcapping", None) else "sdpa"
+        return "flex" if compiled and flex_supported(self.target.config) else "sdpa"
 
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:

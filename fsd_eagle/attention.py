@@ -124,11 +124,16 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
 
 
+def flex_supported(config) -> bool:
+    """Whether a model's attention fits FlexAttention here (no logit soft-capping)."""
+    return not getattr(config, "attn_logit_softcapping", None)
+
+
 def check_backend(backend: str, config) -> None:
     """Refuse backends a model cannot use (one readable line)."""
     if backend not in BACKENDS:
         raise ConfigError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "flex" and getattr(config, "attn_logit_softcapping", None):
+    if backend == "flex" and not flex_supported(config):
         raise ConfigError("the 'flex' attention backend has no logit soft-capping: use 'sdpa' for this model")
 
 

@@ -34,6 +34,7 @@ class SlotDrafter:
 
     length: torch.Tensor  # committed rows (0-dim long tensor)
     max_len: int
+    slides = False  # whether the drafter attends through a sliding window (then masks carry key positions)
 
     def _forward(self, tokens, states, positions, slots, mask, backend: str | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -63,8 +64,9 @@ class SlotDrafter:
         k = tokens.shape[0]
         offsets = torch.arange(rows_anc.shape[1], device=tokens.device)
         area = self.length + offsets
-        # Level d's rows sit at position length + d - 1 (for a draft model with a sliding window).
-        mask = SlotMask(self.length, rows_anc, self.max_len, key_positions=self.length + offsets // k)
+        # Level d's rows sit at position length + d - 1 (read only under a sliding window).
+        keys = self.length + offsets // k if self.slides else None
+        mask = SlotMask(self.length, rows_anc, self.max_len, key_positions=keys)
         positions = (self.length + depth - 1).expand(k)
         out = self._forward(tokens, states, positions, area[(depth - 1) * k: depth * k], mask)
         return self._logits(out), out
@@ -119,6 +121,10 @@ class ModelDrafter(SlotDrafter):
     @property
     def cache(self):
         return self.model.cache
+
+    @property
+    def slides(self) -> bool:
+        return self.model.slides
 
     def _forward(self, tokens, states, positions, slots, mask, backend=None):
         return self.model.run(tokens, positions, slots, mask, backend)

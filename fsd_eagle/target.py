@@ -60,6 +60,11 @@ class Target:
         self.attention = backend
 
     @property
+    def slides(self) -> bool:
+        """Whether some layer attends through a sliding window."""
+        return bool(self.sliding_window) and (not self.layer_types or "sliding_attention" in self.layer_types)
+
+    @property
     def num_kv_heads(self) -> int:
         return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
 
@@ -94,7 +99,7 @@ class Target:
         """The mask(s) in the attention backend's form; sliding-window layers get the window on key
         positions too. Models without ``layer_types`` (Mistral, Phi-3, ...) slide on every layer whenever
         ``sliding_window`` is set."""
-        if not self.sliding_window or (self.layer_types and "sliding_attention" not in self.layer_types):
+        if not self.slides:
             return attention.prepare_mask(mask, backend, self.dtype)
         window = attention.prepare_mask(mask.windowed(positions, self.sliding_window), backend, self.dtype)
         if not self.layer_types:

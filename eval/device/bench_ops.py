@@ -17,32 +17,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsd_eagle.attention import prepare_mask  # noqa: E402
 from fsd_eagle.cache import SlotMask  # noqa: E402
+from fsd_eagle.decode import capture  # noqa: E402
 from fsd_eagle.kernels import topk as kernel_topk  # noqa: E402
+from profile_round import replay_ms  # noqa: E402
 
 
 def graph_us(fn, reps: int = 50) -> float:
     """GPU microseconds per call of ``fn`` (compiled, warmed up, captured ``reps`` times in one graph)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
+    captured = capture(lambda: [fn() for _ in range(reps)], [])
+    if captured is None:
+        raise RuntimeError("CUDA graph capture failed")
+    graph = captured[0]
+    graph.replay()  # one untimed replay
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) * 1000 / (5 * reps), 2)
+    return round(replay_ms(graph, 5) * 1000 / reps, 2)
 
 
 def two_stage(x, k, chunk, sort_first=False):

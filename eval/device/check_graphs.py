@@ -3,7 +3,7 @@ the same tokens as eager rounds; how long a round takes each way (and how long c
 
     python eval/device/check_graphs.py            # the default model and its shipped head
     python eval/device/check_graphs.py --tiny     # a small random Llama and head (no model files needed)
-    python eval/device/check_graphs.py --tiny --attention packed   # another tree-attention backend
+    python eval/device/check_graphs.py --tiny --attention flex     # another tree-attention backend
 """
 
 import sys
