@@ -135,23 +135,45 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         _fuse_linears(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "HeadCache",
-                slots: torch.Tensor, mask) -> torch.Tensor:
-        """x ``[B, n, h]``; cos/sin ``[B, n, d]``; mask: None (training: causal over x, no cache) or, with a
-        cache (B = 1), a mask prepared by ``attention.prepare_mask``."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "HeadCache | None",
+                slots: torch.Tensor | None, mask, context: "Context | None" = None):
+        """x ``[B, n, h]``; cos/sin ``[B, n, d]``. Returns (output ``[B, n, h]``, (k, v) of these rows
+        ``[B, H_kv, n, d]``).
+
+        - With a cache (B = 1): keys/values go to ``slots`` and ``mask`` (from ``attention.prepare_mask``)
+          says what each row sees.
+        - Training (no cache, ``mask`` None): causal attention over the n rows, or with ``context`` (an
+          unrolled step) attention over the earlier steps' keys followed by these rows' own, as
+          ``context.allowed`` says.
+        """
         b, n, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.fused_sizes["qkv_proj"], dim=-1)
         q = q.view(b, n, self.n_heads, self.dim).transpose(1, 2)
         k = k.view(b, n, self.n_kv, self.dim).transpose(1, 2)
         v = v.reshape(b, n, self.n_kv, self.dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads > self.n_kv)
-        else:
+        if kv is not None:
             kv.keys.index_copy_(2, slots, k)
             kv.values.index_copy_(2, slots, v)
             out = attend(q, kv.keys, kv.values, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        elif context is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads > self.n_kv)
+        else:  # SDPA's masked kernels have no grouped-query support on CUDA: repeat the key heads
+            groups = self.n_heads // self.n_kv
+            keys = torch.cat((context.keys, k), dim=2).repeat_interleave(groups, dim=1)
+            values = torch.cat((context.values, v), dim=2).repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=context.allowed)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), (k, v)
+
+
+@dataclass
+class Context:
+    """What an unrolled training step attends to besides its own rows: the earlier steps' keys/values
+    ``[B, H_kv, j*T, d]`` (step 0's rows first) and ``allowed`` ``[T, (j+1)*T]`` (bool, True = may attend)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    allowed: torch.Tensor
 
 
 class MLP(nn.Module):
@@ -179,9 +201,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, slots, mask):
-        x = x + self.self_attn(x, cos, sin, kv, slots, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv, slots, mask, context=None):
+        """Returns (output, (k, v) of these rows): see ``Attention.forward``."""
+        attn, kv_rows = self.self_attn(x, cos, sin, kv, slots, mask, context)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_rows
 
 
 @dataclass
@@ -218,5 +242,31 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((embeds, features), dim=-1))
         cos, sin = self.rotary(x, positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, slots, mask)
+            x, _ = layer(x, cos, sin, cache, slots, mask)
         return x
+
+    def unroll(self, embeds: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): the head run ``steps`` times on its own predictions, as a draft
+        chain runs it. Step 0 is EAGLE's teacher-forced step: row t reads (e(x_{t+1}), f_t) and predicts
+        f_{t+1}. Step j row t reads (e(x_{t+1+j}), step j-1's prediction for f_{t+j}) at position t + j and
+        predicts f_{t+1+j}; it sees step 0's rows <= t (the committed prefix, whose features came from the
+        target) and its own row t of every earlier step (the drafted path), as a draft at depth j+1 does.
+
+        embeds ``[B, T + steps - 1, h]`` (e(x_1) ...), features f ``[B, T, h]``; returns ``steps``
+        predictions, each ``[B, T, h]``. ``steps`` = 1 is ``forward`` with causal attention."""
+        b, t, _ = features.shape
+        positions = torch.arange(t, device=features.device).expand(b, -1)
+        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
+        diagonal = torch.eye(t, dtype=torch.bool, device=features.device)
+        preds, earlier = [], [None] * len(self.layers)
+        x = features
+        for j in range(steps):
+            x = self.fc(torch.cat((embeds[:, j:j + t], x), dim=-1))
+            cos, sin = self.rotary(x, positions + j)
+            allowed = torch.cat([causal] + [diagonal] * j, dim=1)
+            for i, layer in enumerate(self.layers):
+                context = None if j == 0 else Context(*earlier[i], allowed)
+                x, (k, v) = layer(x, cos, sin, None, None, None, context)
+                earlier[i] = (k, v) if j == 0 else (torch.cat((earlier[i][0], k), 2), torch.cat((earlier[i][1], v), 2))
+            preds.append(x)
+        return preds

@@ -494,6 +494,87 @@ def test_checkpoint_round_trip_restores_optimizer(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(head.parameters(), head2.parameters()))
 
 
+def test_unrolled_steps_are_the_draft_chain(tmp_path):
+    """EagleHead.unroll (training-time test) computes what drafting computes: step j's row t equals the
+    head run through its cache on the prefix 0..t (target features) and then j chained rows fed their own
+    predictions, each seeing the prefix and the chain so far. Step 0 is the teacher-forced forward."""
+    torch.manual_seed(0)
+    cfg = HeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=8)
+    head = EagleHead(cfg).eval()
+    b, t, steps, slots = 2, 6, 3, 16
+    embeds, features = torch.randn(b, t + steps - 1, 32), torch.randn(b, t, 32)
+    with torch.no_grad():
+        preds = head.unroll(embeds, features, steps)
+        assert len(preds) == steps and all(p.shape == (b, t, 32) for p in preds)
+        assert torch.equal(preds[0], head(embeds[:, :t], features, torch.arange(t).expand(b, -1)))
+        for row in range(b):
+            for anchor in range(t):
+                cache = head.new_cache(slots, torch.device("cpu"), torch.float32)
+                n = anchor + 1
+                allowed = torch.ones(n, slots, dtype=torch.bool).tril()
+                x = head(embeds[row:row + 1, :n], features[row:row + 1, :n], torch.arange(n)[None], cache,
+                         torch.arange(n), _additive(allowed))[:, -1:]
+                for j in range(1, steps):
+                    slot = n + j - 1
+                    sees = torch.zeros(1, slots, dtype=torch.bool)
+                    sees[0, :slot + 1] = True
+                    x = head(embeds[row:row + 1, anchor + j:anchor + j + 1], x, torch.tensor([[anchor + j]]), cache,
+                             torch.tensor([slot]), _additive(sees))
+                    torch.testing.assert_close(x[0, 0], preds[j][row, anchor], atol=1e-5, rtol=1e-5)
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[None, None]
+
+
+def test_one_step_loss_is_eagles_and_later_steps_count_shifted_rows(llama):
+    """head_loss with unroll 1 is EAGLE's loss (SmoothL1 on f_{t+1} + ce_weight x soft CE) over assistant
+    rows; with unroll 2 it is the decay-weighted mean of step 0's loss and step 1's over rows shifted by
+    one (the last row, past the sequence's end, never counts)."""
+    import torch.nn.functional as F
+
+    from training.recipe import Recipe
+
+    model, _ = load_target(str(llama.target), torch.device("cpu"), torch.float32)
+    from fsd_eagle.target import Target
+
+    target = Target(model)
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(model.config))
+    ids = torch.randint(0, VOCAB, (2, 9))
+    attn = torch.ones(2, 9, dtype=torch.bool)
+    attn[1, 7:] = False
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[:, 4:] = True
+    recipe = Recipe(noise=0.0)
+    f = target.base(input_ids=ids, attention_mask=attn.long()).last_hidden_state.detach()
+
+    def step_loss(pred, j):
+        rows = (mask & attn)[:, 1 + j:]
+        p, q = pred[:, :rows.shape[1]][rows], f[:, 1 + j:][rows]
+        ce = -(target.logits(q).softmax(-1) * torch.log_softmax(target.logits(p), -1)).sum(-1).mean()
+        return F.smooth_l1_loss(p, q) + recipe.ce_weight * ce
+
+    preds = head.unroll(target.embed(F.pad(ids[:, 1:], (0, 1))), f[:, :-1], 2)
+    loss1, metrics1 = training.train.head_loss(head, target, ids, attn, mask, recipe)
+    torch.testing.assert_close(loss1, step_loss(preds[0], 0))
+    assert metrics1["acc"].shape == (1,)
+    loss2, metrics2 = training.train.head_loss(head, target, ids, attn, mask, dataclasses.replace(recipe, unroll=2))
+    torch.testing.assert_close(loss2, (step_loss(preds[0], 0) + 0.8 * step_loss(preds[1], 1)) / 1.8)
+    assert metrics2["acc"].shape == (2,)
+
+
+def test_unroll_trains_and_logs_each_step(llama, tmp_path):
+    """--unroll 2 overrides the recipe, is recorded in the exported recipe, and the log has each step's
+    feature loss, CE and accuracy (step 0's also as feat/ce/acc)."""
+    out = tmp_path / "unrolled"
+    assert main(llama.argv(out, "--epochs", 1, "--unroll", 2)) == 0
+    entry = _log(out)[-1]
+    assert len(entry["acc_by_step"]) == len(entry["ce_by_step"]) == len(entry["feat_by_step"]) == 2
+    assert entry["acc"] == entry["acc_by_step"][0] and entry["ce"] == entry["ce_by_step"][0]
+    assert json.loads((out / "head" / "recipe.json").read_text())["unroll"] == 2
+
+
 # ------------------------------------------------------------------------------------- 4: bad input
 
 
@@ -601,6 +682,7 @@ def test_out_is_a_file(llama, tmp_path, capsys):
     (json.dumps({**RECIPE, "epochz": 3}), "unknown keys: epochz"),
     (json.dumps({**RECIPE, "answers": "mine"}), "answers must be both, distilled or original"),
     (json.dumps({**RECIPE, "distill_turns": 0}), "distill_turns must be at least 1"),
+    (json.dumps({**RECIPE, "unroll": 0}), "unroll must be at least 1"),
     (json.dumps({**RECIPE, "epochs": "6"}), "epochs must be an integer, got '6'"),
     (json.dumps({**RECIPE, "lr": None}), "lr must be a number, got None"),
     ("{oops", "not valid JSON"),

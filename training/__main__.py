@@ -123,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count", "distill_turns", "answers", "init"):
+    for key in ("epochs", "distill_count", "distill_turns", "answers", "init", "unroll"):
         if getattr(args, key) is not None:
             setattr(recipe, key, getattr(args, key))
     if recipe.distill_turns < 1:
         raise InputError(f"--distill-turns must be at least 1, got {recipe.distill_turns}")
+    if recipe.unroll < 1:
+        raise InputError(f"--unroll must be at least 1, got {recipe.unroll}")
     if args.data:
         recipe.data = args.data
     if not recipe.data:
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device")
     r.add_argument("--dtype")
     r.add_argument("--workers", type=int, default=8)
+    r.add_argument("--unroll", type=int,
+                   help="train over N steps of the head on its own predictions (training-time test; default: the recipe's)")
     r.add_argument("--init", help="head folder to start from (warm start; overrides the recipe)")
     r.add_argument("--time-budget", type=float,
                    help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")

@@ -38,6 +38,8 @@ class Recipe:
     feature_weight: float = 1.0
     ce_weight: float = 0.1
     noise: float = 0.2
+    unroll: int = 1  # training-time test: steps of the head on its own predictions (1 = EAGLE-2's teacher forcing)
+    unroll_decay: float = 0.8  # step j's loss weight is unroll_decay ** j (normalised to sum 1)
     val_fraction: float = 0.01
     val_prompts: int = 8
     val_new_tokens: int = 96
@@ -68,6 +70,8 @@ class Recipe:
         recipe = cls(**raw)
         if recipe.distill_turns < 1:
             raise InputError(f"recipe {path}: distill_turns must be at least 1, got {recipe.distill_turns}")
+        if recipe.unroll < 1:
+            raise InputError(f"recipe {path}: unroll must be at least 1, got {recipe.unroll}")
         if recipe.answers not in ("both", "distilled", "original"):
             raise InputError(f"recipe {path}: answers must be both, distilled or original, not {recipe.answers!r}")
         return recipe

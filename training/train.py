@@ -27,24 +27,48 @@ from .recipe import Recipe
 
 def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor,
               recipe: Recipe) -> tuple[torch.Tensor, dict]:
-    """Row t reads (e(x_{t+1}), f_t + noise) and predicts f_{t+1}; rows count where x_{t+1} is an
-    assistant token. Returns the loss and metrics (feature loss, CE, top-1 accuracy vs the target)."""
+    """EAGLE's objective, over ``recipe.unroll`` steps of the head on its own predictions (``EagleHead.unroll``;
+    1 = EAGLE-1/2's teacher forcing). Step j row t predicts f_{t+1+j}; rows count where x_{t+1+j} is an
+    assistant token. Step j's loss weighs ``recipe.unroll_decay ** j`` (EAGLE-3: 0.8), normalised to sum 1.
+    Returns the loss and metrics: feature loss, CE and top-1 accuracy vs the target, per step ``[steps]``."""
+    steps = recipe.unroll
     f = target_features(target, ids, attn)
-    f_in, f_next = f[:, :-1], f[:, 1:]
+    f_in = f[:, :-1]
     if recipe.noise > 0:
         f_in = f_in + (torch.rand_like(f_in) - 0.5) * recipe.noise
-    emb = target.embed(ids[:, 1:])
-    pos = torch.arange(ids.shape[1] - 1, device=ids.device).expand(ids.shape[0], -1)
-    pred = head(emb, f_in.to(emb.dtype), pos)
-    rows = (mask[:, 1:] & attn[:, 1:]).flatten()
-    pred, f_next = pred.flatten(0, 1)[rows], f_next.flatten(0, 1)[rows]
-    feat = F.smooth_l1_loss(pred.float(), f_next.float())
-    with torch.no_grad():
-        p = target.logits(f_next).softmax(-1)
-    logq = torch.log_softmax(target.logits(pred), dim=-1)
-    ce = -(p * logq).sum(-1).mean()
-    acc = (logq.argmax(-1) == p.argmax(-1)).float().mean()
-    return recipe.feature_weight * feat + recipe.ce_weight * ce, {"feat": feat.detach(), "ce": ce.detach(), "acc": acc}
+    t = f_in.shape[1]
+    # Later steps read tokens past the sequence's end: pad, and those rows never count.
+    pad = (0, steps - 1)
+    emb = target.embed(F.pad(ids[:, 1:], pad))
+    preds = head.unroll(emb, f_in.to(emb.dtype), steps)
+    f_pad = F.pad(f, (0, 0) + pad)
+    counted = F.pad(mask & attn, pad)
+    weights = [recipe.unroll_decay ** j for j in range(steps)]
+    weights = [w / sum(weights) for w in weights]
+    loss, feats, ces, accs = 0.0, [], [], []
+    for j, pred in enumerate(preds):
+        rows = counted[:, 1 + j:1 + j + t].flatten()
+        pred, f_next = pred.flatten(0, 1)[rows], f_pad[:, 1 + j:1 + j + t].flatten(0, 1)[rows]
+        feat = F.smooth_l1_loss(pred.float(), f_next.float())
+        with torch.no_grad():
+            p = target.logits(f_next).softmax(-1)
+        logq = torch.log_softmax(target.logits(pred), dim=-1)
+        ce = -(p * logq).sum(-1).mean()
+        loss = loss + weights[j] * (recipe.feature_weight * feat + recipe.ce_weight * ce)
+        feats.append(feat.detach())
+        ces.append(ce.detach())
+        accs.append((logq.argmax(-1) == p.argmax(-1)).float().mean())
+    return loss, {"feat": torch.stack(feats), "ce": torch.stack(ces), "acc": torch.stack(accs)}
+
+
+def named_metrics(means: list[float], steps: int) -> dict:
+    """The training loop's metric sums ([loss, feat per step, CE per step, accuracy per step]) by name:
+    feat/ce/acc are step 0's (EAGLE's teacher-forced step); with unrolled steps, also each step's."""
+    named = {"loss": means[0], "feat": means[1], "ce": means[1 + steps], "acc": means[1 + 2 * steps]}
+    if steps > 1:
+        for i, key in enumerate(("feat", "ce", "acc")):
+            named[f"{key}_by_step"] = means[1 + i * steps:1 + (i + 1) * steps]
+    return named
 
 
 def lr_at(step: int, total: int, recipe: Recipe) -> float:
@@ -161,7 +185,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
         skip = step - epoch * batches_per_epoch
         bar = tqdm(batches[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
         # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch.
-        sums, count, tokens, t0 = torch.zeros(4, device=device), 0, 0, time.perf_counter()
+        sums, count, tokens, t0 = torch.zeros(1 + 3 * recipe.unroll, device=device), 0, 0, time.perf_counter()
         for idx in bar:
             ids, attn, mask = collate(train_set, idx, device)
             for group in opt.param_groups:
@@ -174,8 +198,8 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             opt.step()
             step += 1
             tokens += sum(len(train_set[i].ids) for i in idx)
-            sums += torch.stack([loss.detach().float(), metrics["feat"].float(), metrics["ce"].float(),
-                                 metrics["acc"].float()])
+            sums += torch.cat([loss.detach().float()[None], metrics["feat"].float(), metrics["ce"].float(),
+                               metrics["acc"].float()])
             count += 1
             if step - first_step == 10:
                 tick = time.perf_counter()  # the first steps include one-time start-up costs
@@ -193,12 +217,12 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                 return log, False
             if step % 20 == 0:
                 mean = (sums / count).tolist()
-                bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[3]:.3f}",
+                bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[1 + 2 * recipe.unroll]:.3f}",
                                 tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             if step % recipe.checkpoint_every == 0:
                 save(epoch)
         means = (sums / max(1, count)).tolist()
-        entry = {"epoch": epoch + 1, "step": step, **dict(zip(("loss", "feat", "ce", "acc"), means)),
+        entry = {"epoch": epoch + 1, "step": step, **named_metrics(means, recipe.unroll),
                  "seconds": round(time.perf_counter() - t0, 1)}
         if validate is not None:
             head.eval()
