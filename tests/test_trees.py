@@ -247,3 +247,18 @@ def test_trees_argument():
     for bad in ("60/6", "60/x/10", "0/1/1"):
         with pytest.raises(argparse.ArgumentTypeError, match="total/depth/top_k"):
             tune._trees(bad)
+
+
+def test_a_preset_records_the_heads_weights(tmp_path):
+    """A preset names the head it was tuned with by its weights' sha256 (the shipped head changes)."""
+    import hashlib
+
+    from fsd_eagle.head import EagleHead, HeadConfig
+    from fsd_eagle.models import save_head
+
+    head = tmp_path / "head"
+    save_head(EagleHead(HeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=8)), head)
+    weights = next(head.glob("*.safetensors"))
+    assert tune._head_sha256(head) == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert tune._head_sha256(None) is None and tune._head_sha256(tmp_path / "none") is None

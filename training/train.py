@@ -36,28 +36,28 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
     f_in = f[:, :-1]
     if recipe.noise > 0:
         f_in = f_in + (torch.rand_like(f_in) - 0.5) * recipe.noise
-    t = f_in.shape[1]
-    # Later steps read tokens past the sequence's end: pad, and those rows never count.
-    pad = (0, steps - 1)
-    emb = target.embed(F.pad(ids[:, 1:], pad))
+    # Later steps read tokens past the sequence's end: pad (those rows never count).
+    emb = target.embed(F.pad(ids[:, 1:], (0, steps - 1)))
     preds = head.unroll(emb, f_in.to(emb.dtype), steps)
-    f_pad = F.pad(f, (0, 0) + pad)
-    counted = F.pad(mask & attn, pad)
+    # The N counted positions (row b, position t + 1) and the target there, shared by every step: step j's
+    # row t - j predicts position t + 1, for t >= j.
+    b, t = (mask & attn)[:, 1:].nonzero(as_tuple=True)
+    f_next = f[:, 1:][b, t]
+    with torch.no_grad():
+        p = target.logits(f_next).softmax(-1)  # [N, V]
+        p_top = p.argmax(-1)
     weights = [recipe.unroll_decay ** j for j in range(steps)]
-    weights = [w / sum(weights) for w in weights]
     loss, feats, ces, accs = 0.0, [], [], []
     for j, pred in enumerate(preds):
-        rows = counted[:, 1 + j:1 + j + t].flatten()
-        pred, f_next = pred.flatten(0, 1)[rows], f_pad[:, 1 + j:1 + j + t].flatten(0, 1)[rows]
-        feat = F.smooth_l1_loss(pred.float(), f_next.float())
-        with torch.no_grad():
-            p = target.logits(f_next).softmax(-1)
-        logq = torch.log_softmax(target.logits(pred), dim=-1)
-        ce = -(p * logq).sum(-1).mean()
-        loss = loss + weights[j] * (recipe.feature_weight * feat + recipe.ce_weight * ce)
+        valid = t >= j
+        q_in = pred[b, (t - j).clamp(min=0)]  # [N, h]; rows with t < j are dropped below
+        feat = F.smooth_l1_loss(q_in[valid].float(), f_next[valid].float())
+        logq = torch.log_softmax(target.logits(q_in), dim=-1)
+        ce = -(p * logq).sum(-1)[valid].mean()
+        loss = loss + weights[j] / sum(weights) * (recipe.feature_weight * feat + recipe.ce_weight * ce)
         feats.append(feat.detach())
         ces.append(ce.detach())
-        accs.append((logq.argmax(-1) == p.argmax(-1)).float().mean())
+        accs.append((logq.argmax(-1) == p_top)[valid].float().mean())
     return loss, {"feat": torch.stack(feats), "ce": torch.stack(ces), "acc": torch.stack(accs)}
 
 
