@@ -200,11 +200,39 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
     return out
 
 
+def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
+    """Copies of the method rows with their speedup vs transformers ``generate`` and vs our AR of the same
+    backend (same kernels; HF's row against the graph AR), token agreement with those ARs' outputs, rounded."""
+    from eval.metrics import token_agreement
+
+    ar_rows = {r["backend"]: r for r in rows if r["method"].startswith("ar_")}
+    base_hf = next((r["tokens_per_s"] for r in rows if r["method"] == "hf_generate"), None)
+
+    def agreement(method: str, ar_row: dict) -> float:
+        pairs = zip(outputs[method], outputs[ar_row["method"]])
+        return round(statistics.mean(token_agreement(x, y) for x, y in pairs), 4)
+
+    done = []
+    for row in rows:
+        row = dict(row)
+        row["speedup_vs_hf"] = round(row["tokens_per_s"] / base_hf, 3) if base_hf else None
+        same = ar_rows.get(row["backend"], ar_rows.get("graph"))
+        row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3) if same else None
+        if outputs.get(row["method"]) is not None and same:
+            row["agreement_vs_ar"] = agreement(row["method"], same)
+            if "graph" in ar_rows:
+                row["agreement_vs_ar_graph"] = agreement(row["method"], ar_rows["graph"])
+        row["tokens_per_s"] = round(row["tokens_per_s"], 2)
+        row["tau"] = round(row["tau"], 3)
+        row["device"] = device_name
+        done.append(row)
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import transformers
 
-    from eval.metrics import token_agreement
     from eval.tasks import load_mt_bench
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.config import FuzzyConfig, parse_threshold
@@ -240,12 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     dev = gen.target.device
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
     fuzzy = FuzzyConfig(threshold=parse_threshold(a.threshold), divergence=a.divergence)
-    rows = []
+    rows, outputs = [], {}
     partial = Path(a.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
     methods = a.methods.split(",")
     if "hf" in methods:
         hf = bench_hf(gen.target.model, gen.tokenizer, prompts, a.max_new_tokens, max(1, a.repeats - 1))
+        outputs["hf_generate"] = hf.pop("outputs", None)
         rows.append({"method": "hf_generate", "backend": "hf", **hf})
     backends = (a.backends.split(",") if a.backends else
                 (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else []))
@@ -253,34 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     fsd_name = f"fsd_{a.divergence}_T{a.threshold}"
     ours = [(name, kwargs) for key, name, kwargs in (("ar", "ar", dict(autoregressive=True)), ("eagle2", "eagle2", {}),
                                                       ("fsd", fsd_name, dict(fuzzy=fuzzy))) if key in methods]
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
     for backend in backends:
         gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
         for name, kwargs in ours:
             row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)
+            outputs[f"{name}_{backend}"] = row.pop("outputs", None)
             rows.append({"method": f"{name}_{backend}", "backend": backend, "attention": gen.resolve_attention(), **row})
-            partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], default=str))
+            # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
+            partial.write_text(json.dumps(annotate(rows, outputs, device_name), default=str))
             print(rows[-1]["method"], round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
-    ar_rows = {r["backend"]: r for r in rows if r["method"].startswith("ar_")}
-    outputs = {r["method"]: r.pop("outputs", None) for r in rows}
-    base_hf = rows[0]["tokens_per_s"] if "hf" in methods else None
-
-    def agreement(outs, ar_row) -> float:
-        ref = outputs[ar_row["method"]]
-        return round(statistics.mean(token_agreement(x, y) for x, y in zip(outs, ref)), 4)
-
-    for row in rows:
-        row["speedup_vs_hf"] = round(row["tokens_per_s"] / base_hf, 3) if base_hf else None
-        # our AR with the same backend (same kernels); HF's row is compared with the graph AR
-        same = ar_rows.get(row["backend"], ar_rows.get("graph"))
-        row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3) if same else None
-        outs = outputs[row["method"]]
-        if outs is not None and same:
-            row["agreement_vs_ar"] = agreement(outs, same)
-            if "graph" in ar_rows:
-                row["agreement_vs_ar_graph"] = agreement(outs, ar_rows["graph"])
-        row["tokens_per_s"] = round(row["tokens_per_s"], 2)
-        row["tau"] = round(row["tau"], 3)
-        row["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
+    rows = annotate(rows, outputs, device_name)
     extra = {}
     if dev.type == "cuda" and not a.rows_only:
         for backend in backends[-2:] if compiled else ["graph"]:

@@ -443,3 +443,25 @@ def test_sweep_with_a_draft_model(folders, tmp_path):
     rows = {r["method"]: r for r in results["rows"]}
     assert json.loads((out / "settings.json").read_text())["draft_model"] == str(folders / "target")
     assert rows["eagle2"]["tau"] > 2.0 and rows["eagle2"]["agreement"] == 1.0
+
+
+def test_speed_rows_are_annotated_as_they_come():
+    """eval/speed.py's rows (also the partial file written after each row): speedup vs HF and vs our AR of the
+    same backend (HF against the graph AR), token agreement with those ARs' outputs."""
+    from eval.speed import annotate
+
+    rows = [{"method": "hf_generate", "backend": "hf", "tokens_per_s": 10.0, "tau": 1.0},
+            {"method": "ar_graph", "backend": "graph", "tokens_per_s": 100.0, "tau": 1.0},
+            {"method": "ar_compiled", "backend": "compiled", "tokens_per_s": 200.0, "tau": 1.0},
+            {"method": "eagle2_compiled", "backend": "compiled", "tokens_per_s": 500.0, "tau": 3.14159}]
+    outputs = {"hf_generate": None, "ar_graph": [[1, 2, 3, 4]], "ar_compiled": [[1, 2, 9, 9]],
+               "eagle2_compiled": [[1, 2, 9, 4]]}
+    done = {r["method"]: r for r in annotate(rows, outputs, "GPU X")}
+    e2 = done["eagle2_compiled"]
+    assert (e2["speedup_vs_hf"], e2["speedup_vs_ar"], e2["tau"], e2["device"]) == (50.0, 2.5, 3.142, "GPU X")
+    assert (e2["agreement_vs_ar"], e2["agreement_vs_ar_graph"]) == (0.75, 0.75)
+    assert done["ar_compiled"]["agreement_vs_ar"] == 1.0 and done["ar_compiled"]["agreement_vs_ar_graph"] == 0.5
+    assert done["hf_generate"]["speedup_vs_ar"] == 0.1 and "agreement_vs_ar" not in done["hf_generate"]
+    assert "speedup_vs_hf" not in rows[3]  # the measured rows are left as they were
+    partial = annotate(rows[:1], {"hf_generate": None}, "GPU X")  # before any AR row
+    assert partial[0]["speedup_vs_ar"] is None
