@@ -46,8 +46,8 @@ def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
-    """q ``[1, H_q, n, d]``, k/v ``[1, H_kv, S, d]`` (the whole cache), mask from ``prepare_mask``.
-    Returns ``[1, H_q, n, d]``."""
+    """q ``[B, H_q, n, d]``, k/v ``[B, H_kv, S, d]`` (the whole cache; B = 1), mask from ``prepare_mask``, or
+    a boolean ``[n, S]`` (True = attend; the head's unrolled training steps). Returns ``[B, H_q, n, d]``."""
     groups = q.shape[1] // k.shape[1]
     if not isinstance(mask, torch.Tensor):  # a BlockMask
         from torch.nn.attention.flex_attention import flex_attention

@@ -158,11 +158,9 @@ class Attention(nn.Module):
             out = attend(q, kv.keys, kv.values, mask)
         elif context is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads > self.n_kv)
-        else:  # SDPA's masked kernels have no grouped-query support on CUDA: repeat the key heads
-            groups = self.n_heads // self.n_kv
-            keys = torch.cat((context.keys, k), dim=2).repeat_interleave(groups, dim=1)
-            values = torch.cat((context.values, v), dim=2).repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=context.allowed)
+        else:
+            out = attend(q, torch.cat((context.keys, k), dim=2), torch.cat((context.values, v), dim=2),
+                         context.allowed)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), (k, v)
 
 

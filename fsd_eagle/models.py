@@ -182,6 +182,12 @@ def head_weights_file(folder: Path) -> Path | None:
     return next((f for f in (folder / "model.safetensors", folder / "pytorch_model.bin") if f.exists()), None)
 
 
+def head_weights_sha256(folder: Path | None) -> str | None:
+    """sha256 of a head folder's weights file (None without one): which head a run or preset used."""
+    path = head_weights_file(folder) if folder else None
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path else None
+
+
 def _read_weights(folder: Path) -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file

@@ -254,11 +254,11 @@ def test_a_preset_records_the_heads_weights(tmp_path):
     import hashlib
 
     from fsd_eagle.head import EagleHead, HeadConfig
-    from fsd_eagle.models import save_head
+    from fsd_eagle.models import head_weights_sha256, save_head
 
     head = tmp_path / "head"
     save_head(EagleHead(HeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=8)), head)
     weights = next(head.glob("*.safetensors"))
-    assert tune._head_sha256(head) == hashlib.sha256(weights.read_bytes()).hexdigest()
-    assert tune._head_sha256(None) is None and tune._head_sha256(tmp_path / "none") is None
+    assert head_weights_sha256(head) == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert head_weights_sha256(None) is None and head_weights_sha256(tmp_path / "none") is None

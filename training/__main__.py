@@ -20,7 +20,7 @@ from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.errors import FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.models import head_weights_file, load_head, load_target, resolve_device, resolve_dtype
+from fsd_eagle.models import head_weights_sha256, load_head, load_target, resolve_device, resolve_dtype
 from fsd_eagle.target import Target
 
 from .data import main as data_main, read_conversations, write_conversations
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                           "continue": "run the same command with --resume"}))
         return 0
     if recipe.init:  # which weights the warm start began from (the init folder may change later)
-        timings["init_sha256"] = hashlib.sha256(head_weights_file(Path(recipe.init)).read_bytes()).hexdigest()
+        timings["init_sha256"] = head_weights_sha256(Path(recipe.init))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     final = export_head(head, out, recipe, log, {"examples": len(examples), "loss_tokens": n_tokens,
                                                 "device": device_name, **timings})

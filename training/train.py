@@ -46,7 +46,8 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
     with torch.no_grad():
         p = target.logits(f_next).softmax(-1)  # [N, V]
         p_top = p.argmax(-1)
-    weights = [recipe.unroll_decay ** j for j in range(steps)]
+    total = sum(recipe.unroll_decay ** j for j in range(steps))
+    weights = [recipe.unroll_decay ** j / total for j in range(steps)]
     loss, feats, ces, accs = 0.0, [], [], []
     for j, pred in enumerate(preds):
         valid = t >= j
@@ -54,7 +55,7 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
         feat = F.smooth_l1_loss(q_in[valid].float(), f_next[valid].float())
         logq = torch.log_softmax(target.logits(q_in), dim=-1)
         ce = -(p * logq).sum(-1)[valid].mean()
-        loss = loss + weights[j] / sum(weights) * (recipe.feature_weight * feat + recipe.ce_weight * ce)
+        loss = loss + weights[j] * (recipe.feature_weight * feat + recipe.ce_weight * ce)
         feats.append(feat.detach())
         ces.append(ce.detach())
         accs.append((logq.argmax(-1) == p_top)[valid].float().mean())

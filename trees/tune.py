@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -54,7 +53,7 @@ import torch
 
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.decode import DecodeStats, decode
-from fsd_eagle.models import default_head_path, head_weights_file
+from fsd_eagle.models import default_head_path, head_weights_sha256
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.verify import AcceptanceRule
 
@@ -589,12 +588,6 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
-def _head_sha256(folder: Path | None) -> str | None:
-    """The head's weights file's sha256: which head a preset was tuned with (the shipped one changes)."""
-    weights = head_weights_file(folder) if folder else None
-    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights else None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trees.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
@@ -654,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                  "dtype": str(gen.target.dtype).replace("torch.", ""),
                  "command": "python -m trees.tune " + " ".join(sys.argv[1:] if argv is None else argv),
                  "head": str(a.head) if a.head else "shipped head",
-                 "head_sha256": _head_sha256(Path(a.head) if a.head else default_head_path(name)),
+                 "head_sha256": head_weights_sha256(Path(a.head) if a.head else default_head_path(name)),
                  "prompts": [src for src, _ in texts], **grid}
     entry["measured"] = {"tuned": m.pop("tuned"), **described, **m}
     print(json.dumps({name: {a.device: entry}}, indent=2))
