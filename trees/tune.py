@@ -619,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = a.threads or max(1, min(cores, cores - math.ceil(load - 0.5)))
     torch.set_num_threads(threads)
 
+    import transformers
     from transformers.utils import logging as hf_logging
 
     from fsd_eagle.api import SpeculativeGenerator
@@ -645,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     described = {"date": datetime.date.today().isoformat(),
                  "device": device_description(gen.target.device, threads),
                  "dtype": str(gen.target.dtype).replace("torch.", ""),
+                 "torch": torch.__version__, "transformers": transformers.__version__,
                  "command": "python -m trees.tune " + " ".join(sys.argv[1:] if argv is None else argv),
                  "head": str(a.head) if a.head else "shipped head",
                  "head_sha256": head_weights_sha256(Path(a.head) if a.head else default_head_path(name)),
