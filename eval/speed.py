@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--hf-limit", type=int,
+                   help="measure transformers generate on the first N prompts only (default: all; it is ~50x slower)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threshold", default="1.0")
@@ -250,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, trees/presets.json)")
     p.add_argument("--depth", type=int)
     p.add_argument("--tree-top-k", type=int)
+    p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
     p.add_argument("--skip-8b", action="store_true")
     p.add_argument("--compile", action="store_true", help="also measure rounds compiled with torch.compile")
     p.add_argument("--eager", action="store_true", help="also measure eager rounds (no CUDA graphs)")
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_speed.json"))
     a = p.parse_args(argv)
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype)
-    tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k)
+    tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab)
     dev = gen.target.device
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
     fuzzy = FuzzyConfig(threshold=parse_threshold(a.threshold), divergence=a.divergence)
@@ -273,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     partial.parent.mkdir(parents=True, exist_ok=True)
     methods = a.methods.split(",")
     if "hf" in methods:
-        hf = bench_hf(gen.target.model, gen.tokenizer, prompts, a.max_new_tokens, max(1, a.repeats - 1))
-        outputs["hf_generate"] = hf.pop("outputs", None)
-        rows.append({"method": "hf_generate", "backend": "hf", **hf})
+        hf_prompts = prompts[: a.hf_limit] if a.hf_limit else prompts
+        hf = bench_hf(gen.target.model, gen.tokenizer, hf_prompts, a.max_new_tokens, max(1, a.repeats - 1))
+        outputs["hf_generate"] = hf.pop("outputs", None)  # agreement: over these prompts only
+        rows.append({"method": "hf_generate", "backend": "hf", "prompts": len(hf_prompts), **hf})
     backends = (a.backends.split(",") if a.backends else
                 (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else []))
     compiled = "compiled" in backends
@@ -288,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, kwargs in ours:
             row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)
             outputs[f"{name}_{backend}"] = row.pop("outputs", None)
-            rows.append({"method": f"{name}_{backend}", "backend": backend, "attention": gen.resolve_attention(), **row})
+            rows.append({"method": f"{name}_{backend}", "backend": backend, "attention": gen.resolve_attention(),
+                         "prompts": len(prompts), **row})
             # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
             partial.write_text(json.dumps(annotate(rows, outputs, device_name), default=str))
             print(rows[-1]["method"], round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
@@ -316,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"rows": rows, **extra,
               "meta": {"date": date.today().isoformat(), "device": rows[0]["device"], "torch": torch.__version__,
                        "transformers": transformers.__version__, "dtype": a.dtype, "prompts": len(prompts),
-                       "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": vars(tree) if hasattr(tree, "__dict__") else str(tree),
+                       "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -365,7 +365,7 @@ def _run_job(job: dict) -> dict:
 def _worker_info() -> dict:
     gen = _STATE["gen"]
     t = gen.tree
-    return {"tree": {"total_tokens": t.total_tokens, "depth": t.depth, "top_k": t.top_k},
+    return {"tree": t.to_dict(),
             "torch_device": str(gen.target.device), "model_dtype": str(gen.target.dtype).replace("torch.", "")}
 
 

@@ -14,7 +14,8 @@ from .decode import DecodeStats, RoundRunner, decode
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, HeadMismatchError, InputError
 from .head import EagleHead, HeadConfig
-from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
+from .models import (DEFAULT_TARGET, RANKING_FILE, default_head_path, load_head, load_target, resolve_device,
+                     resolve_dtype)
 from .target import Target
 from .verify import AcceptanceRule
 
@@ -105,15 +106,23 @@ class SpeculativeGenerator:
             gen.set_tree()
         return gen
 
-    def set_tree(self, total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None) -> TreeConfig:
+    def set_tree(self, total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
+                 draft_vocab: int | None = None) -> TreeConfig:
         """Use the tuned preset for this target and device (trees/presets.json), with any value given here
-        overriding it; returns the tree now in use."""
+        overriding it; returns the tree now in use. A preset's draft vocabulary applies only to a drafter
+        with a token ranking (the shipped head has one); ``draft_vocab`` = 0 drafts among all tokens."""
         from .trees_presets import preset_tree, with_overrides
 
-        tree = with_overrides(preset_tree(self.target), total_tokens, depth, top_k)
+        preset = preset_tree(self.target)
+        if draft_vocab is None and not self._has_ranking():
+            preset = with_overrides(preset, draft_vocab=0)
+        tree = with_overrides(preset, total_tokens, depth, top_k, draft_vocab)
         self._check_tree(tree)
         self.tree = tree
         return tree
+
+    def _has_ranking(self) -> bool:
+        return self.drafter is not None and self.drafter.ranking is not None
 
     def use_attention(self, backend: str | None) -> None:
         """Tree-attention backend of rounds: "sdpa", "flex" or None (the default: "flex" for compiled GPU
@@ -132,6 +141,9 @@ class SpeculativeGenerator:
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:
             raise ConfigError(f"tree top_k {tree.top_k} exceeds the vocabulary size {self.target.vocab_size}")
+        if 0 < tree.draft_vocab < self.target.vocab_size and self.drafter is not None and not self._has_ranking():
+            raise ConfigError(f"draft_vocab {tree.draft_vocab} needs a draft head with a token ranking "
+                              f"({RANKING_FILE}, written by the trainer); this drafter has none (use draft_vocab 0)")
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt text (chat template applied when the tokenizer has one, unless chat=False), a list of chat

@@ -29,6 +29,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--total-tokens", type=int, default=None, help="tree nodes per round, root included")
     p.add_argument("--depth", type=int, default=None, help="tree depth (draft tokens on the longest path)")
     p.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node (1 = chain)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft among the head's N most frequent tokens (0 = all; default: the preset's)")
     p.add_argument("--threshold", default="0", help="FSD threshold T (a number >= 0 or 'inf'); 0 = exact")
     p.add_argument("--divergence", default="kl", help=f"one of {', '.join(DIVERGENCES)}")
     p.add_argument("--fuzzy-mode", default="hybrid", help="hybrid (default) or pure")
@@ -53,7 +55,8 @@ def run_generate(args: argparse.Namespace) -> int:
     _quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
                                     device=args.device, dtype=args.dtype, compile=args.compile)
-    gen.set_tree(args.total_tokens, args.depth, args.tree_top_k)  # the preset, with explicit values winning
+    # the preset, with explicit values winning
+    gen.set_tree(args.total_tokens, args.depth, args.tree_top_k, args.draft_vocab)
     gen.use_attention(args.attention)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,

@@ -21,21 +21,51 @@ class TreeConfig:
         autoregressive decoding (no draft).
     depth: maximum number of draft tokens on a root-to-leaf path.
     top_k: children expanded per frontier node, and frontier width; top_k = 1 gives a chain.
+    draft_vocab: draft only among the head's ``draft_vocab`` most frequent tokens (its token ranking; the
+        draft vocabulary of FR-Spec / EAGLE-3): each draft level's lm_head and top-k then read that many rows
+        instead of the whole vocabulary. 0 (or >= the vocabulary): every token. Verification is unchanged, so
+        outputs stay exact; only which tokens can be proposed changes.
     """
 
     total_tokens: int = 60
     depth: int = 6
     top_k: int = 10
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("total_tokens", "depth", "top_k"):
+        for name in ("total_tokens", "depth", "top_k", "draft_vocab"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"tree {name} must be an integer >= 1, got {value!r}")
+            least = 0 if name == "draft_vocab" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"tree {name} must be an integer >= {least}, got {value!r}")
+        if 0 < self.draft_vocab < self.top_k:
+            raise ConfigError(f"tree draft_vocab ({self.draft_vocab}) must be 0 or at least top_k ({self.top_k})")
 
     @property
     def drafts(self) -> bool:
         return self.total_tokens > 1
+
+    @property
+    def label(self) -> str:
+        """"total/depth/top_k" (plus "/v<draft_vocab>" when the draft vocabulary is limited), "ar" without drafts."""
+        if not self.drafts:
+            return "ar"
+        return f"{self.total_tokens}/{self.depth}/{self.top_k}" + (f"/v{self.draft_vocab}" if self.draft_vocab else "")
+
+    def to_dict(self) -> dict:
+        """The preset / results form: total_tokens, depth, top_k, and draft_vocab when it is set."""
+        out = {"total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k}
+        return out | ({"draft_vocab": self.draft_vocab} if self.draft_vocab else {})
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeConfig":
+        """The inverse of ``label``: "60/6/10" or "48/5/8/v16384" (the v is optional)."""
+        parts = text.strip().split("/")
+        if len(parts) == 4:
+            parts[3] = parts[3].removeprefix("v")
+        if len(parts) not in (3, 4) or not all(x.isdigit() for x in parts):
+            raise ConfigError(f"expected a tree as total/depth/top_k[/v<draft_vocab>] (e.g. 60/6/10), got {text!r}")
+        return cls(*map(int, parts))
 
     @property
     def path_len(self) -> int:

@@ -98,7 +98,8 @@ def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tr
     div_sum, then the P = depth + 1 next tokens (the first n_accepted are this round's new tokens).
     """
     if drafter is not None:
-        tree = draft_tree(drafter, state.root_token, state.root_logits, state.root_state, tree_cfg)
+        tree = draft_tree(drafter, state.root_token, state.root_logits, state.root_state, tree_cfg,
+                          with_q=rule.fuzzy.active)
     else:
         tree = root_tree(state.root_token)
     features = target.forward_tree(tree.tokens, tree.depths, tree.anc)
@@ -122,12 +123,23 @@ def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState,
     return next_tokens
 
 
+# Graphs dynamo may keep per compiled function: one per tree/rule configuration and cache size (rounds),
+# per configuration and prompt bucket (prefills). Past its default limit of 8, dynamo silently runs the
+# function eagerly, which the graph would capture as slow eager kernels (seen with 5 trees in one process).
+RECOMPILE_LIMIT = 64
+
+
+def _compile(fn):
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=False)
+
+
 @functools.cache
 def compiled_round():
     """``run_round`` compiled by inductor: fuses a round's many small kernels (norms, rotary, masks, tree
     bookkeeping; on the H200 a compiled round took 3.6 ms against 6.5 ms) before graph capture. dynamo
     recompiles per tree/rule configuration and cache shape."""
-    return torch.compile(run_round, dynamic=False)
+    return _compile(run_round)
 
 
 @functools.cache
@@ -135,7 +147,7 @@ def compiled_prefill():
     """``prefill`` compiled by inductor, one graph per padded prompt length (dynamo recompiles per bucket).
     A 64-token prefill of SmolLM2-135M replayed in 6.6-6.9 ms on an H100 when captured from eager kernels,
     in 4.7-4.9 ms compiled."""
-    return torch.compile(prefill, dynamic=False)
+    return _compile(prefill)
 
 
 @dataclass

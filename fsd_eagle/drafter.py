@@ -4,7 +4,8 @@ decoding; with top_k = 1 its tree is a chain of gamma = depth tokens).
 
 Both keep their own slot KV cache: a committed prefix of ``length`` rows, then a scratch area for the tree
 levels. ``prefill`` and ``commit`` consume what the target just accepted and return the root's draft
-logits and state; ``step`` drafts one tree level (the ``Drafter`` protocol of fsd_eagle.tree).
+logits and state; ``step`` drafts one tree level (the ``Drafter`` protocol of fsd_eagle.tree). Draft
+logits cover the draft vocabulary (``use_vocab``, from TreeConfig.draft_vocab): all tokens by default.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 from .attention import no_cudnn, prepare_mask, whole_blocks
 from .cache import SlotMask
 from .config import TreeConfig
+from .errors import ConfigError
 from .head import EagleHead
+from .models import RANKING_FILE
 from .ops import pick
 from .target import Target
 
@@ -30,17 +33,46 @@ class DraftRoot:
 
 
 class SlotDrafter:
-    """Shared bookkeeping; subclasses define ``_forward`` (rows -> states) and ``_logits`` (states -> logits)."""
+    """Shared bookkeeping; subclasses define ``_forward`` (rows -> states), ``lm`` (the model whose lm_head
+    turns states into logits) and ``ranking`` (token ids by frequency, for a draft vocabulary; or None)."""
 
     length: torch.Tensor  # committed rows (0-dim long tensor)
     max_len: int
     slides = False  # whether the drafter attends through a sliding window (then masks carry key positions)
+    lm: Target
+    ranking: torch.Tensor | None = None
+
+    def __init__(self) -> None:
+        # The draft vocabulary in use (TreeConfig.draft_vocab, set by ``allocate``): token ids ``[V_d]``
+        # (None: all) and their lm_head rows (weight, bias), kept per size so captured graphs stay valid.
+        self.vocab: torch.Tensor | None = None
+        self.vocab_lm: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._vocabs: dict[int, tuple] = {}
 
     def _forward(self, tokens, states, positions, slots, mask, backend: str | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def _logits(self, states: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def logits(self, states: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """Draft logits ``[n, V_d]`` of states ``[n, s]`` over the draft vocabulary (column i is token
+        ``vocab[i]``), or ``[n, V]`` over every token when ``full`` or without a draft vocabulary."""
+        if full or self.vocab_lm is None:
+            return self.lm.logits(states)
+        return self.lm.logits(states, *self.vocab_lm)
+
+    def use_vocab(self, size: int) -> None:
+        """Draft among the ``size`` best-ranked tokens from now on (0, or the whole vocabulary: all tokens)."""
+        if size == 0 or size >= self.lm.vocab_size:
+            self.vocab = self.vocab_lm = None
+            return
+        if size not in self._vocabs:
+            if self.ranking is None:
+                raise ConfigError(f"draft_vocab {size} needs a draft head with a token ranking ({RANKING_FILE}); "
+                                  "this drafter has none (use draft_vocab 0)")
+            ids = self.ranking[:size].sort().values.to(self.lm.device)
+            head = self.lm.lm_head
+            bias = None if head.bias is None else head.bias[ids].contiguous()
+            self._vocabs[size] = (ids, (head.weight[ids].contiguous(), bias))
+        self.vocab, self.vocab_lm = self._vocabs[size]
 
     @torch.no_grad()
     def commit(self, next_tokens: torch.Tensor, features: torch.Tensor, n_accepted: torch.Tensor,
@@ -56,7 +88,7 @@ class SlotDrafter:
         states = self._forward(next_tokens, features, slots, slots, mask, backend)
         state = pick(states, n_accepted - 1)
         self.length += n_accepted
-        return DraftRoot(self._logits(state[None])[0], state)
+        return DraftRoot(self.logits(state[None])[0], state)
 
     @torch.no_grad()
     def step(self, depth: int, tokens: torch.Tensor, states: torch.Tensor, rows_anc: torch.Tensor):
@@ -69,7 +101,7 @@ class SlotDrafter:
         mask = SlotMask(self.length, rows_anc, self.max_len, key_positions=keys)
         positions = (self.length + depth - 1).expand(k)
         out = self._forward(tokens, states, positions, area[(depth - 1) * k: depth * k], mask)
-        return self._logits(out), out
+        return self.logits(out), out
 
 
 class EagleDrafter(SlotDrafter):
@@ -77,6 +109,7 @@ class EagleDrafter(SlotDrafter):
     length equals the target's and its state is the predicted feature f_{L}."""
 
     def __init__(self, head: EagleHead, target: Target) -> None:
+        super().__init__()
         self.head, self.target = head, target
         self.length = torch.zeros((), dtype=torch.long, device=target.device)
         self.cache = None
@@ -88,14 +121,20 @@ class EagleDrafter(SlotDrafter):
             self.cache = self.head.new_cache(size, self.target.device, self.target.dtype)
             self.max_len = size
         self.length.zero_()
+        self.use_vocab(tree.draft_vocab)
+
+    @property
+    def lm(self) -> Target:
+        return self.target
+
+    @property
+    def ranking(self) -> torch.Tensor | None:
+        return self.head.token_ranking
 
     def _forward(self, tokens, states, positions, slots, mask, backend=None):
         embeds = self.target.embed(tokens)
         mask = prepare_mask(mask, backend or self.target.attention, embeds.dtype)
         return self.head(embeds[None], states[None].to(embeds.dtype), positions[None], self.cache, slots, mask)[0]
-
-    def _logits(self, states):
-        return self.target.logits(states)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, features: torch.Tensor, n: torch.Tensor | None = None) -> DraftRoot:
@@ -109,14 +148,21 @@ class EagleDrafter(SlotDrafter):
 class ModelDrafter(SlotDrafter):
     """A small causal LM as the drafter; its cache also holds the root (length = the target's + 1)."""
 
-    def __init__(self, model: Target) -> None:
+    def __init__(self, model: Target, ranking: torch.Tensor | None = None) -> None:
+        super().__init__()
         self.model = model
+        self.ranking = ranking  # token ids by frequency, for a draft vocabulary (optional)
         self.length = model.length
         self.max_len = 0
 
     def allocate(self, max_len: int, tree: TreeConfig) -> None:
         self.model.allocate(max_len + 1 + (tree.depth - 1) * tree.top_k)
         self.max_len = self.model.cache.max_len
+        self.use_vocab(tree.draft_vocab)
+
+    @property
+    def lm(self) -> Target:
+        return self.model
 
     @property
     def cache(self):
@@ -129,15 +175,12 @@ class ModelDrafter(SlotDrafter):
     def _forward(self, tokens, states, positions, slots, mask, backend=None):
         return self.model.run(tokens, positions, slots, mask, backend)
 
-    def _logits(self, states):
-        return self.model.logits(states)
-
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, features: torch.Tensor, n: torch.Tensor | None = None) -> DraftRoot:
         """See EagleDrafter.prefill (the target's features are not used)."""
         f = self.model.prefill(tokens)
         if n is None:
-            return DraftRoot(self.model.logits(f[-1:])[0], f[-1])
+            return DraftRoot(self.logits(f[-1:])[0], f[-1])
         self.model.length.copy_(n + 1)
         state = pick(f, n)
-        return DraftRoot(self.model.logits(state[None])[0], state)
+        return DraftRoot(self.logits(state[None])[0], state)

@@ -215,9 +215,16 @@ class HeadCache:
 
 
 class EagleHead(nn.Module):
+    """EAGLE's one-layer draft head. ``token_ranking`` ``[V]`` (optional, not a weight): every token id,
+    most frequent first in the head's training answers; TreeConfig.draft_vocab drafts among its first
+    entries (saved as token_ranking.safetensors next to the weights)."""
+
+    token_ranking: torch.Tensor | None
+
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.register_buffer("token_ranking", None, persistent=False)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         rope_cfg = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,

@@ -147,7 +147,29 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
         head.load_state_dict(state)
     except RuntimeError as e:
         raise HeadMismatchError(f"draft head {folder} has wrongly shaped weights: {str(e).splitlines()[-1].strip()}") from None
+    head.token_ranking = _read_ranking(folder, cfg.vocab_size)
     return head.to(device=device, dtype=dtype).eval()
+
+
+RANKING_FILE = "token_ranking.safetensors"
+
+
+def _read_ranking(folder: Path, vocab_size: int) -> torch.Tensor | None:
+    """A head folder's token ranking (every token id once, most frequent first), or None without one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / RANKING_FILE
+    if not path.exists():
+        return None
+    try:
+        ranking = load_file(path).get("ranking")
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    if (ranking is None or ranking.dim() != 1 or ranking.numel() != vocab_size or ranking.is_floating_point()
+            or not torch.equal(ranking.sort().values.long(), torch.arange(vocab_size))):
+        raise ModelLoadError(f"{path} must hold 'ranking': each of the {vocab_size} token ids once")
+    return ranking.long()
 
 
 def _head_config(raw: dict, base: HeadConfig) -> HeadConfig:
@@ -204,7 +226,8 @@ def _read_weights(folder: Path) -> dict:
 
 
 def save_head(head: EagleHead, folder: str | Path, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> None:
-    """Write our head format: config.json (+ "format": "fsd-eagle") and model.safetensors."""
+    """Write our head format: config.json (+ "format": "fsd-eagle"), model.safetensors and, if the head has
+    one, its token ranking."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -212,4 +235,13 @@ def save_head(head: EagleHead, folder: str | Path, dtype: torch.dtype = torch.bf
     cfg = dict(head.config.to_dict(), format="fsd-eagle", **(extra or {}))
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
     save_file(state, folder / "model.safetensors")
+    if head.token_ranking is not None:
+        save_ranking(head.token_ranking, folder)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def save_ranking(ranking: torch.Tensor, folder: str | Path) -> None:
+    """Write a token ranking ``[V]`` (every token id once, most frequent first) into a head folder."""
+    from safetensors.torch import save_file
+
+    save_file({"ranking": ranking.to("cpu", torch.int32).contiguous()}, Path(folder) / RANKING_FILE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import attention
@@ -106,9 +107,11 @@ class Target:
             return window
         return {"full_attention": attention.prepare_mask(mask, backend, self.dtype), "sliding_attention": window}
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """lm_head (with the model's final soft-capping, if any) in float32: ``[n, h] -> [n, V]``."""
-        logits = self.lm_head(features).float()
+    def logits(self, features: torch.Tensor, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """lm_head (with the model's final soft-capping, if any) in float32: ``[n, h] -> [n, V]``; with
+        ``weight`` ``[V', h]`` (and ``bias``), those rows of it instead (a draft vocabulary): ``[n, V']``."""
+        logits = (self.lm_head(features) if weight is None else F.linear(features, weight, bias)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -21,9 +21,10 @@ class DraftTree:
     """A verified-in-one-forward token tree with n = total nodes (root included).
 
     tokens ``[n]``; parents ``[n]`` (root's parent is itself, 0); depths ``[n]`` (root 0); anc ``[n, n]`` bool,
-    anc[i, j] = node j is an ancestor of i or i itself; scores ``[n]``: cumulative draft log-prob (root 0);
-    q_logits ``[R, V]``: the draft's logits at each expanded node (its children's distribution q_n);
-    q_row ``[n]``: row of q_logits for a node, -1 where the node was never expanded.
+    anc[i, j] = node j is an ancestor of i or i itself; scores ``[n]``: cumulative draft log-prob (root 0;
+    normalised over the draft vocabulary); q_logits ``[R, V]``: the draft's logits over every token at each
+    expanded node (its children's distribution q_n; None unless asked for); q_row ``[n]``: row of q_logits
+    for a node, -1 where the node was never expanded.
     max_depth: static bound on any node's depth (accepted paths have at most max_depth + 1 nodes).
     """
 
@@ -42,13 +43,20 @@ class DraftTree:
 
 
 class Drafter(Protocol):
-    """What tree drafting needs from a draft head or a draft model (see fsd_eagle.drafter)."""
+    """What tree drafting needs from a draft head or a draft model (see fsd_eagle.drafter). ``vocab``: the
+    token ids ``[V_d]`` that its logits' columns stand for (None: every token)."""
+
+    vocab: torch.Tensor | None
+
+    def logits(self, states: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """Draft logits of states ``[n, s]``: over ``vocab``, or over every token with ``full``."""
+        ...
 
     def step(self, depth: int, tokens: torch.Tensor, states: torch.Tensor, rows_anc: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft one tree level: frontier tokens ``[k]`` at ``depth`` (1-based), their parents' states
         ``[k, s]``, and ``rows_anc [k, A]``: which draft rows (A = (depth_max - 1) * k, level-major) each
-        frontier row sees (its ancestors and itself). Returns logits ``[k, V]`` and states ``[k, s]``."""
+        frontier row sees (its ancestors and itself). Returns logits ``[k, V_d]`` and states ``[k, s]``."""
         ...
 
 
@@ -61,18 +69,19 @@ def root_tree(root_token: torch.Tensor) -> DraftTree:
 
 
 def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Tensor, root_state: torch.Tensor,
-               cfg: TreeConfig) -> DraftTree:
-    """Grow the EAGLE-2 tree from the root's draft logits ``[V]`` and state ``[s]``.
+               cfg: TreeConfig, with_q: bool = False) -> DraftTree:
+    """Grow the EAGLE-2 tree from the root's draft logits ``[V_d]`` and state ``[s]``.
 
     Level 1 takes the top_k tokens of q_root; each later level expands the current frontier (top_k nodes),
     scores the top_k x top_k children by cumulative log-prob and keeps the global top_k as the next
     frontier. Finally the ``total_tokens - 1`` best candidates (a connected subtree) become the tree.
+    ``with_q``: also return the draft's distributions over every token (q_logits; the fuzzy rule's q_n).
     """
-    k, depth, dev = cfg.top_k, cfg.depth, root_logits.device
-    score, tok = _top_logprobs(root_logits[None], k)
+    k, depth, dev, vocab = cfg.top_k, cfg.depth, root_logits.device, drafter.vocab
+    score, tok = _top_logprobs(root_logits[None], k, vocab)
     score, tok = score[0], tok[0]
     cand_tok, cand_score, cand_parent, cand_depth = [tok], [score], [torch.full((k,), -1, device=dev)], [1]
-    q_logits, q_cands = [root_logits.reshape(1, -1)], []
+    q_logits, q_states, q_cands = [root_logits.reshape(1, -1)], [root_state.reshape(1, -1)], []
     frontier = torch.arange(k, device=dev)  # candidate indices of the frontier
     states = root_state.reshape(1, -1).expand(k, -1)
     area = (depth - 1) * k
@@ -83,8 +92,9 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
         rows_anc[:, (d - 1) * k: d * k] = eye
         logits, out_states = drafter.step(d, tok, states, rows_anc)
         q_logits.append(logits)
+        q_states.append(out_states)
         q_cands.append(frontier)
-        child_score, child_tok = _top_logprobs(logits, k)  # [k, k]
+        child_score, child_tok = _top_logprobs(logits, k, vocab)  # [k, k]
         cum = (score.unsqueeze(1) + child_score).flatten()
         child_tok = child_tok.flatten()
         cand_tok.append(child_tok)
@@ -98,15 +108,19 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
             tok, frontier = child_tok[best], offset + best
             states, rows_anc = out_states[parent_row], rows_anc[parent_row]
         offset += k * k
-    return _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg)
+    q = None
+    if with_q:  # over every token: a draft vocabulary's logits lack the rest, so recompute from the states
+        q = torch.cat(q_logits) if vocab is None else drafter.logits(torch.cat(q_states), full=True)
+    return _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q, q_cands, cfg)
 
 
-def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k most likely tokens of each row of draft logits ``[R, V]`` and their log-probs ``[R, k]``: the
-    top k of the logits minus the row's logsumexp (no [R, V] log-softmax is written)."""
+def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row of draft logits ``[R, V_d]`` (columns: ``vocab``'s ids, or every
+    token) and their log-probs ``[R, k]``: the top k of the logits minus the row's logsumexp (no [R, V]
+    log-softmax is written)."""
     logits = logits.float()
-    vals, tok = topk(logits, k)
-    return vals - logits.logsumexp(-1, keepdim=True), tok
+    vals, col = topk(logits, k)
+    return vals - logits.logsumexp(-1, keepdim=True), (col if vocab is None else vocab[col])
 
 
 def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg: TreeConfig) -> DraftTree:
@@ -141,7 +155,7 @@ def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits,
         depths=torch.cat([zero, depths[order]]),
         anc=anc,
         scores=torch.cat([torch.zeros(1, device=dev), scores[order]]),
-        q_logits=torch.cat(q_logits),
+        q_logits=q_logits,
         q_row=torch.cat([zero, q_row_of[order]]),
         max_depth=cfg.depth,
     )

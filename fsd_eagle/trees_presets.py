@@ -1,4 +1,4 @@
-"""Tree presets: the tuned (total_tokens, depth, top_k) for a target on a device type.
+"""Tree presets: the tuned (total_tokens, depth, top_k[, draft_vocab]) for a target on a device type.
 
 The presets are data in the source checkout, ``trees/presets.json`` (written by ``python -m trees.tune``);
 the package reads that file at run time when it is installed from a checkout (editable install, as in the
@@ -8,7 +8,7 @@ answer is the EAGLE-2 defaults, ``TreeConfig()``.
 File layout::
 
     {"_shapes": {"chain-6": {"total_tokens": 7, "depth": 6, "top_k": 1}, ...},
-     "<model name>": {"<device type>": {"tree": {"total_tokens": ..., "depth": ..., "top_k": ...}
+     "<model name>": {"<device type>": {"tree": {"total_tokens": ..., "depth": ..., "top_k": ...[, "draft_vocab": ...]}
                                                  or "<shape name>",
                                         "measured": {...how it was chosen...}}},
      "*": {...same, for any model...}}
@@ -58,8 +58,8 @@ def tree_from_spec(spec, table: dict) -> TreeConfig:
         if spec not in shapes or isinstance(shapes[spec], str):
             raise ConfigError(f"unknown tree shape {spec!r} in the tree presets")
         spec = shapes[spec]
-    if not isinstance(spec, dict) or set(spec) != set(TREE_KEYS):
-        raise ConfigError(f"a tree preset needs exactly {', '.join(TREE_KEYS)}; got {spec!r}")
+    if not isinstance(spec, dict) or not set(TREE_KEYS) <= set(spec) <= set(TREE_KEYS) | {"draft_vocab"}:
+        raise ConfigError(f"a tree preset needs exactly {', '.join(TREE_KEYS)} (and optionally draft_vocab); got {spec!r}")
     return TreeConfig(**spec)
 
 
@@ -92,7 +92,7 @@ def preset_for(name: str, device_type: str, path: str | Path | None = None) -> T
 
 
 def with_overrides(base: TreeConfig, total_tokens: int | None = None, depth: int | None = None,
-                   top_k: int | None = None) -> TreeConfig:
+                   top_k: int | None = None, draft_vocab: int | None = None) -> TreeConfig:
     """``base`` with every value given here (not None) replacing its own."""
-    given = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
+    given = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k, "draft_vocab": draft_vocab}
     return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})

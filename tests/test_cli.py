@@ -189,6 +189,8 @@ def bad_cases(folders):
         "top-p 0": base_args(folders, "--top-p", "0"),
         "tree-top-k 0": base_args(folders, "--tree-top-k", "0"),
         "depth 0": base_args(folders, "--depth", "0"),
+        "draft-vocab -1": base_args(folders, "--draft-vocab", "-1"),
+        "draft-vocab without a ranking": base_args(folders, "--draft-vocab", "32"),
         "missing target": ["generate", PROMPT, "--target", missing, "--device", "cpu", "--json"],
         "target without config": ["generate", PROMPT, "--target", str(no_config), "--device", "cpu"],
         "missing head": base_args(folders, head=False) + ["--head", missing],
@@ -223,7 +225,8 @@ def test_driver_reports_tracebacks(runs):
 
 BAD_CASES = ["empty prompt", "blank prompt", "max-new-tokens 0", "max-new-tokens -3", "device tpu", "dtype int3",
              "threshold -1", "threshold abc", "threshold nan", "divergence foo", "fuzzy-mode bad",
-             "support-top-k -1", "temperature -1", "top-p 0", "tree-top-k 0", "depth 0", "missing target",
+             "support-top-k -1", "temperature -1", "top-p 0", "tree-top-k 0", "depth 0", "draft-vocab -1",
+             "draft-vocab without a ranking", "missing target",
              "target without config", "missing head", "head is the target", "device cuda",
              "corrupt target weights"]
 

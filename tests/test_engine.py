@@ -297,24 +297,31 @@ def test_decode_yields_at_most_max_new_tokens(tiny_llama):
 class PathDrafter:
     """A fake drafter: the logits at a node are a fixed pseudo-random function of its root path (states
     carry the path), so the test can recompute what any node's children should be. It also checks the
-    rows_anc protocol: each frontier row must see exactly the draft rows of its ancestors and itself."""
+    rows_anc protocol: each frontier row must see exactly the draft rows of its ancestors and itself.
+    With ``vocab`` (sorted token ids), it drafts among those tokens only, as a draft vocabulary does."""
 
-    def __init__(self, vocab: int, cfg: TreeConfig, seed: int, scale: float = 3.0, ties: bool = False):
-        self.vocab, self.cfg, self.seed, self.scale, self.ties = vocab, cfg, seed, scale, ties
+    def __init__(self, n_vocab: int, cfg: TreeConfig, seed: int, scale: float = 3.0, ties: bool = False,
+                 vocab: torch.Tensor | None = None):
+        self.n_vocab, self.cfg, self.seed, self.scale, self.ties = n_vocab, cfg, seed, scale, ties
+        self.vocab = vocab
         self.table: dict[tuple, torch.Tensor] = {}
         self.rows: dict[int, tuple] = {}
 
     def logits_for(self, path: tuple) -> torch.Tensor:
         if path not in self.table:
             gen = torch.Generator().manual_seed(hash((self.seed,) + path) % (1 << 62))
-            x = torch.randn(self.vocab, generator=gen) * self.scale
+            x = torch.randn(self.n_vocab, generator=gen) * self.scale
             self.table[path] = x.round() if self.ties else x  # rounding makes score ties common
         return self.table[path]
+
+    def logits(self, states: torch.Tensor, full: bool = False) -> torch.Tensor:
+        q = torch.stack([self.logits_for(self.path_of(s)) for s in states])
+        return q if full or self.vocab is None else q[:, self.vocab]
 
     def root(self, root_token: int):
         state = torch.full((self.cfg.depth + 1,), -1.0)
         state[0] = root_token
-        return self.logits_for((root_token,)), state
+        return self.logits(state[None])[0], state
 
     @staticmethod
     def path_of(state: torch.Tensor) -> tuple:
@@ -334,7 +341,7 @@ class PathDrafter:
             seen = {r for r in rows_anc[j].nonzero().flatten().tolist()}
             want = {r for r in range(depth * k) if self.rows.get(r) == path[: r // k + 2]}
             assert seen == want, (depth, j)
-        return torch.stack([self.logits_for(p) for p in paths]), out
+        return self.logits(out), out
 
 
 def node_paths(tree) -> list[tuple]:
@@ -366,19 +373,23 @@ tree_shapes = st.tuples(st.integers(1, 120), st.integers(1, 6), st.integers(1, 6
                         st.integers(0, 10_000))
 
 
-def _make_tree(shape, ties=False, scale=3.0):
-    total, depth, k, vocab, seed = shape
+def _make_tree(shape, ties=False, scale=3.0, subset=False):
+    total, depth, k, n_vocab, seed = shape
     cfg = TreeConfig(total_tokens=total, depth=depth, top_k=k)
-    drafter = PathDrafter(vocab, cfg, seed, scale=scale, ties=ties)
-    root_token = seed % vocab
+    # A draft vocabulary: a random half of the tokens (at least k), as sorted ids.
+    vocab = torch.randperm(n_vocab, generator=torch.Generator().manual_seed(seed))[: max(k, n_vocab // 2)].sort().values
+    drafter = PathDrafter(n_vocab, cfg, seed, scale=scale, ties=ties, vocab=vocab if subset else None)
+    root_token = seed % n_vocab
     root_logits, root_state = drafter.root(root_token)
-    return draft_tree(drafter, torch.tensor(root_token), root_logits, root_state, cfg), drafter, cfg
+    return draft_tree(drafter, torch.tensor(root_token), root_logits, root_state, cfg, with_q=True), drafter, cfg
 
 
 @settings(max_examples=80, deadline=None)
-@given(shape=tree_shapes, ties=st.booleans(), scale=st.sampled_from([0.5, 3.0, 30.0]))
-def test_draft_tree_invariants(shape, ties, scale):
-    tree, drafter, cfg = _make_tree(shape, ties, scale)
+@given(shape=tree_shapes, ties=st.booleans(), scale=st.sampled_from([0.5, 3.0, 30.0]), subset=st.booleans())
+def test_draft_tree_invariants(shape, ties, scale, subset):
+    """Tree structure, scores and q rows; with a draft vocabulary, children come from it only, scores are
+    log-probs normalised over it, and q_logits still hold the whole distribution."""
+    tree, drafter, cfg = _make_tree(shape, ties, scale, subset)
     n, k = tree.size, cfg.top_k
     assert n == min(cfg.total_tokens, 1 + k + (cfg.depth - 1) * k * k)
     parents, depths, anc, scores = tree.parents.tolist(), tree.depths.tolist(), tree.anc, tree.scores
@@ -405,12 +416,14 @@ def test_draft_tree_invariants(shape, ties, scale):
         assert row >= 0, "a node with children was never expanded"
         q = tree.q_logits[row]
         assert torch.equal(q, drafter.logits_for(paths[node]))  # the row that produced the children
-        logq = torch.log_softmax(q.float(), -1)
+        allowed = torch.zeros(q.shape[0], dtype=torch.bool)
+        allowed[drafter.vocab if subset else slice(None)] = True
+        logq = torch.log_softmax(q.float().masked_fill(~allowed, float("-inf")), -1)
         toks = tree.tokens[kids]
-        assert len(set(toks.tolist())) == len(kids) <= k
+        assert len(set(toks.tolist())) == len(kids) <= k and allowed[toks].all()
         torch.testing.assert_close(scores[kids], scores[node] + logq[toks])
         kth = logq.topk(k).values[-1]
-        assert (logq[toks] >= kth).all()  # children are among the top_k of q
+        assert (logq[toks] >= kth).all()  # children are among the top_k of q (over the draft vocabulary)
     for i in range(n):  # expanded nodes really are: q_row >= 0 exactly where the drafter was called
         if tree.q_row[i] >= 0:
             assert torch.equal(tree.q_logits[tree.q_row[i]], drafter.logits_for(paths[i]))
@@ -572,21 +585,25 @@ def reference_eagle_logits(head, model, committed: torch.Tensor, path_tokens: to
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind", ["noisy", "eagle"])
-def test_drafted_logits_match_a_plain_forward_of_the_drafter(arch_model, kind, monkeypatch):
+@pytest.mark.parametrize("kind,draft_vocab", [("noisy", 0), ("eagle", 0), ("eagle", 40)])
+def test_drafted_logits_match_a_plain_forward_of_the_drafter(arch_model, kind, draft_vocab, monkeypatch):
     """Every expanded tree node's q logits equal the drafter run from scratch over prefix + node path (tree
-    masks, draft positions, scratch rows and the drafter's commit), over several rounds."""
+    masks, draft positions, scratch rows and the drafter's commit), over several rounds. With a draft
+    vocabulary, the tree's q logits still cover every token (the fuzzy rule's q_n)."""
     import fsd_eagle.decode as decode_module
 
     arch, model = arch_model
     target = Target(model)
     drafter = _drafter(kind, model, target)
+    if draft_vocab:
+        drafter.head.token_ranking = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1))
     trees = []
     real_draft_tree = decode_module.draft_tree
-    monkeypatch.setattr(decode_module, "draft_tree", lambda *a: trees.append(real_draft_tree(*a)) or trees[-1])
+    monkeypatch.setattr(decode_module, "draft_tree",
+                        lambda *a, **kw: trees.append(real_draft_tree(*a, with_q=True)) or trees[-1])
     prompt = random_prompt(3, 128)
     generated: list[int] = []
-    cfg = TreeConfig(total_tokens=20, depth=4, top_k=3)
+    cfg = TreeConfig(total_tokens=20, depth=4, top_k=3, draft_vocab=draft_vocab)
     for _, new in zip(range(4), decode(target, drafter, prompt, 200, cfg, GREEDY, None, DecodeStats())):
         if trees:  # the tree of the round that just ended, drafted after the tokens generated before it
             tree = trees[-1]
@@ -601,6 +618,8 @@ def test_drafted_logits_match_a_plain_forward_of_the_drafter(arch_model, kind, m
                 else:
                     ref = reference_eagle_logits(drafter.head, model, committed, path_tokens)
                 torch.testing.assert_close(tree.q_logits[tree.q_row[i]], ref, atol=1e-4, rtol=1e-4)
+            if draft_vocab:
+                assert torch.isin(tree.tokens[1:], drafter.head.token_ranking[:draft_vocab]).all()
         generated += new
     assert len(trees) == 3
 
@@ -1074,17 +1093,19 @@ def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_compiled_round_equals_the_eager_round(tiny_llama, backend):
+@pytest.mark.parametrize("backend,draft_vocab", [("sdpa", 0), ("flex", 0), ("sdpa", 64)])
+def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab):
     """What the GPU path compiles (decode.compiled_round, one graph for the whole round) gives the eager
-    round's outputs, round after round, with a head drafter and a tree whose paths are partly accepted."""
+    round's outputs, round after round, with a drafter and a tree whose paths are partly accepted (also
+    with a draft vocabulary)."""
     torch._dynamo.reset()
-    cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
+    cfg = TreeConfig(total_tokens=12, depth=4, top_k=3, draft_vocab=draft_vocab)
     results = []
     model = copy.deepcopy(tiny_llama)
     for fn in (run_round, compiled_round()):
         target = Target(model)
         drafter = _drafter("noisy", model, target)
+        drafter.ranking = torch.randperm(128, generator=torch.Generator().manual_seed(2))
         target.use_attention(backend)
         drafter.model.use_attention(backend)
         prompt = random_prompt(1, 128)

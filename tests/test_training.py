@@ -212,6 +212,12 @@ def test_pipeline_trains_exports_and_decodes_exactly(setups, tmp_path, arch):
         forwards, tokens = forwards + spec.stats.target_forwards, tokens + spec.stats.new_tokens
     # the head learned something: an untrained head gets about 1.1 tokens per target forward here
     assert tokens / forwards > 1.3
+    # its token ranking (from the answers it trained on) gives a draft vocabulary; decoding stays exact
+    vocab = model.config.vocab_size
+    assert sorted(head.token_ranking.tolist()) == list(range(vocab))
+    gen.set_tree(draft_vocab=vocab // 4)
+    for prompt in [c.messages[:1] for c in s.convs[:2]]:
+        assert gen.generate(prompt, 32).token_ids == gen.generate(prompt, 32, autoregressive=True).token_ids
 
 
 # ------------------------------------------------------------------------------------------ 2: resume

@@ -217,11 +217,11 @@ def test_tune_end_to_end_replay_equals_real_decoding(tiny_llama):
     assert chosen in grid
     m = entry["measured"]
     rows = {r["tree"]: r for r in m["finalists"]}
-    assert set(rows) >= {"ar", "60/6/10", tune.label(chosen)} and len(rows) >= 4
+    assert set(rows) >= {"ar", "60/6/10", chosen.label} and len(rows) >= 4
     for name, row in rows.items():
         if "replay_tau" in row:
             assert row["replay_tau"] == pytest.approx(row["tau"]), name
-    assert rows["ar"]["tau"] == 1.0 and m["tau"] == rows[tune.label(chosen)]["tau"]
+    assert rows["ar"]["tau"] == 1.0 and m["tau"] == rows[chosen.label]["tau"]
     assert m["replay"]["trees"] == len(grid) and m["replay"]["kept_to_the_end"] >= 2
     assert set(m["costs_ms"]["draft_step_by_top_k"]) == {"1", "2"}
 
@@ -239,13 +239,17 @@ def test_tune_shortlist_measures_every_tree_and_picks_the_fastest(tiny_llama):
     assert rows["ar"]["tau"] == 1.0 and rows["5/4/1"]["tau"] > rows["3/2/1"]["tau"] > 1.5
     drafting = {k: v for k, v in rows.items() if k != "ar"}
     best = max(drafting, key=lambda k: drafting[k]["steady_tokens_per_s"])
-    assert tune.label(TreeConfig(**entry["tree"])) == best and m["tau"] == rows[best]["tau"]
+    assert TreeConfig(**entry["tree"]).label == best and m["tau"] == rows[best]["tau"]
 
 
 def test_trees_argument():
-    assert tune._trees("60/6/10, 8/3/4") == [TreeConfig(60, 6, 10), TreeConfig(8, 3, 4)]
-    for bad in ("60/6", "60/x/10", "0/1/1"):
-        with pytest.raises(argparse.ArgumentTypeError, match="total/depth/top_k"):
+    trees = tune._trees("60/6/10, 8/3/4, 48/5/8/v16384, 48/5/8/4096")
+    assert trees == [TreeConfig(60, 6, 10), TreeConfig(8, 3, 4), TreeConfig(48, 5, 8, 16384), TreeConfig(48, 5, 8, 4096)]
+    assert [t.label for t in trees] == ["60/6/10", "8/3/4", "48/5/8/v16384", "48/5/8/v4096"]
+    assert [TreeConfig.parse(t.label) for t in trees] == trees
+    for bad, why in (("60/6", "total/depth/top_k"), ("60/x/10", "total/depth/top_k"), ("48/5/8/w9", "total/depth"),
+                     ("0/1/1", "total_tokens must be"), ("48/5/8/v4", "draft_vocab")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
             tune._trees(bad)
 
 

@@ -24,7 +24,7 @@ from fsd_eagle.models import head_weights_sha256, load_head, load_target, resolv
 from fsd_eagle.target import Target
 
 from .data import main as data_main, read_conversations, write_conversations
-from .features import tokenize_conversation
+from .features import rank_tokens, tokenize_conversation
 from .recipe import Recipe
 from .train import checkpoint_dir, export_head, train
 
@@ -195,9 +195,31 @@ def run(args: argparse.Namespace) -> int:
     if recipe.init:  # which weights the warm start began from (the init folder may change later)
         timings["init_sha256"] = head_weights_sha256(Path(recipe.init))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    head.token_ranking = rank_tokens(examples, target.vocab_size)
     final = export_head(head, out, recipe, log, {"examples": len(examples), "loss_tokens": n_tokens,
                                                 "device": device_name, **timings})
     print(json.dumps({"head": str(final), **timings, "final": log[-1] if log else None}))
+    return 0
+
+
+def rank(args: argparse.Namespace) -> int:
+    """Write a head folder's token ranking from conversation files (for heads trained before rankings, or
+    on other data): the answer tokens of every conversation, as the trainer counts them."""
+    from fsd_eagle.models import RANKING_FILE, save_ranking
+
+    head_dir = Path(args.head)
+    if not (head_dir / "config.json").exists():
+        raise InputError(f"no draft head at {head_dir}")
+    convs = [c for path in args.data for c in read_conversations(Path(path))]
+    if not convs:
+        raise InputError("the conversation files hold no conversation")
+    model, tokenizer = load_target(args.target, torch.device("cpu"), torch.float32)
+    tok_dir = str(Path(args.target) if args.target else Path(model.config._name_or_path))
+    examples = tokenize_all(tokenizer, tok_dir, convs, args.max_len, args.workers)
+    ranking = rank_tokens(examples, model.get_output_embeddings().weight.shape[0])
+    save_ranking(ranking, head_dir)
+    answers = sum(int(e.mask.sum()) for e in examples)
+    print(json.dumps({"ranking": str(head_dir / RANKING_FILE), "conversations": len(convs), "answer_tokens": answers}))
     return 0
 
 
@@ -230,10 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")
     r.add_argument("--stop-after", type=float,
                    help="stop this call after that many seconds of training, with a checkpoint to --resume from")
+    k = sub.add_parser("rank", help="write a head's token ranking (its draft vocabulary) from conversation files")
+    k.add_argument("--head", required=True, help="head folder to write token_ranking.safetensors into")
+    k.add_argument("--data", action="append", required=True, help="conversation file(s), e.g. the training data")
+    k.add_argument("--target", help="local target folder (default: the default target)")
+    k.add_argument("--max-len", type=int, default=1024, help="tokens per conversation, as in training")
+    k.add_argument("--workers", type=int, default=8)
     sub.add_parser("data", help="prepare conversation files (python -m training data prepare --help)")
     args = p.parse_args(argv)
     try:
-        return run(args)
+        return rank(args) if args.command == "rank" else run(args)
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,15 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> Exam
     return Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
 
 
+def rank_tokens(examples: list[Example], vocab_size: int) -> torch.Tensor:
+    """Every token id ``[V]``, most frequent first among the examples' answer tokens (what the head learns
+    to draft), ties in id order: the head's token ranking, whose first entries are a draft vocabulary
+    (TreeConfig.draft_vocab)."""
+    answers = np.concatenate([e.ids[e.mask] for e in examples]) if examples else np.zeros(0, dtype=np.int32)
+    counts = np.bincount(answers, minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(np.argsort(-counts, kind="stable"))
+
+
 def _template(tokenizer, messages: list[dict]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
     return list(out["input_ids"] if hasattr(out, "keys") else out)

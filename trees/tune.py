@@ -52,7 +52,8 @@ from typing import Callable, Sequence
 import torch
 
 from fsd_eagle.config import TreeConfig
-from fsd_eagle.decode import DecodeStats, decode
+from fsd_eagle.errors import ConfigError
+from fsd_eagle.decode import DecodeStats, decode, prefill_bucket
 from fsd_eagle.models import default_head_path, head_weights_sha256
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.verify import AcceptanceRule
@@ -91,14 +92,6 @@ def candidate_grid(totals: Sequence[int] = GRID_TOTALS, depths: Sequence[int] = 
                 if n >= 2 and depth <= n - 1:
                     best.setdefault((n, depth, min(k, n - 1)), TreeConfig(total_tokens=n, depth=depth, top_k=k))
     return sorted(best.values(), key=lambda c: (c.top_k, c.depth, c.total_tokens))
-
-
-def label(cfg: TreeConfig) -> str:
-    return "ar" if not cfg.drafts else f"{cfg.total_tokens}/{cfg.depth}/{cfg.top_k}"
-
-
-def tree_dict(cfg: TreeConfig) -> dict:
-    return {"total_tokens": cfg.total_tokens, "depth": cfg.depth, "top_k": cfg.top_k}
 
 
 # ---------------------------------------------------------------------------------------------- acceptance
@@ -229,7 +222,11 @@ class SharedSteps:
 
     def __init__(self, drafter, sync: Callable[[], None], times: list[float]) -> None:
         self.drafter, self.sync, self.times = drafter, sync, times
+        self.vocab = drafter.vocab
         self.memo: dict[int, tuple[torch.Tensor, tuple]] = {}
+
+    def logits(self, states, full=False):
+        return self.drafter.logits(states, full)
 
     def step(self, depth, tokens, states, rows_anc):
         hit = self.memo.get(depth)
@@ -423,7 +420,7 @@ def summarize(rows: list[dict], runs: str) -> tuple[dict, dict]:
     """The chosen row (see ``pick``) and the preset entry's common fields for measured ``rows``."""
     choice = pick(rows)
     by_tree = {r["tree"]: r for r in rows}
-    fmt = lambda r: {k: (label(v) if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
+    fmt = lambda r: {k: (v.label if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
     entry = {
         "tokens_per_s": round(choice["tokens_per_s"], 3),
         "steady_tokens_per_s": round(choice["steady_tokens_per_s"], 3),
@@ -449,15 +446,19 @@ def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig
     start = time.perf_counter()
     tuner = Tuner(gen, log)
     trial = list(dict.fromkeys([AR, *trees, DEFAULT_TREE]))
-    if gen.target.device.type == "cuda":  # first calls capture (and compile): keep them out of the timings
+    if gen.target.device.type == "cuda":
+        # First calls capture (and compile) a round per tree and a prefill per tree and prompt-length bucket:
+        # keep them out of the timings (a bucket first met while timing cost its tree ~10x its tokens/s).
+        firsts = {prefill_bucket(len(p)): p for p in reversed(prompts)}
         for cfg in trial:
-            tuner.decode(list(prompts[0]), cfg, 8)
+            for prompt in firsts.values():
+                tuner.decode(list(prompt), cfg, 8)
     _, rows = measure_trees(tuner, prompts, trial, max_new_tokens, log)
     choice, entry = summarize(rows, f"{len(prompts)} prompts, {max_new_tokens} new tokens")
     entry = {"tuned": True, "method": "shortlist: every tree decoded for real, no cost model",
              "compiled_rounds": bool(getattr(gen, "compile", False)), **entry,
              "seconds": round(time.perf_counter() - start, 1)}
-    return {"tree": tree_dict(choice["tree"]), "measured": entry}
+    return {"tree": choice["tree"].to_dict(), "measured": entry}
 
 
 def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, max_new_tokens: int = 64,
@@ -502,7 +503,7 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
     alive = set(configs)
     for i, (prompt, ref) in enumerate(zip(prompts, refs)):
         feats = tuner.continuation(prompt, ref)
-        accepts = tuner.replay(prompt, ref.tokens, feats, sorted(alive, key=label), step_times, build_times)
+        accepts = tuner.replay(prompt, ref.tokens, feats, sorted(alive, key=lambda c: c.label), step_times, build_times)
         for cfg, acc in accepts.items():
             runs[cfg].append(Replayed(*walk(acc, len(ref.tokens)), ref.prefill_s))
         sample_costs(1, 0)
@@ -511,7 +512,7 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
         best = max(pred, key=pred.get)
         if i + 1 >= prune_after and i + 1 < len(prompts):
             alive = prune(pred, keep_frac, finalists + 2)
-        log(f"replayed {i + 1}/{len(prompts)}: best {label(best)} ({pred[best]:.2f} tok/s predicted), "
+        log(f"replayed {i + 1}/{len(prompts)}: best {best.label} ({pred[best]:.2f} tok/s predicted), "
             f"{len(alive)} trees still drafted")
     complete = [c for c in configs if len(runs[c]) == len(prompts)]
     table = {c: predict(costs, c, runs[c]) for c in complete}
@@ -540,13 +541,13 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
         "replay": {
             "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "trees": len(configs), "kept_to_the_end": len(complete),
-            "top": [{"tree": label(c), "tau": round(table[c][0], 3), "predicted_tokens_per_s": round(table[c][1], 3)}
+            "top": [{"tree": c.label, "tau": round(table[c][0], 3), "predicted_tokens_per_s": round(table[c][1], 3)}
                     for c in ranked[:12]],
         },
         "costs_ms": costs.to_ms(),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    return {"tree": tree_dict(choice["tree"]), "measured": entry}
+    return {"tree": choice["tree"].to_dict(), "measured": entry}
 
 
 def device_description(device: torch.device, threads: int) -> str:
@@ -574,14 +575,11 @@ def write_preset(path: Path, model: str, device_type: str, entry: dict) -> None:
 
 
 def _trees(text: str) -> list[TreeConfig]:
-    """"60/6/10,48/5/8" -> trees (total_tokens/depth/top_k)."""
-    trees = []
-    for item in text.split(","):
-        parts = item.strip().split("/")
-        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
-            raise argparse.ArgumentTypeError(f"expected trees as total/depth/top_k (e.g. 60/6/10), got {item!r}")
-        trees.append(TreeConfig(*map(int, parts)))
-    return trees
+    """"60/6/10,48/5/8/v16384" -> trees (total_tokens/depth/top_k[/v<draft_vocab>])."""
+    try:
+        return [TreeConfig.parse(item) for item in text.split(",")]
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -635,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.trees is not None:
         _log(f"{name} on {a.device}: {len(a.trees)} trees measured on {len(prompts)} prompts")
         entry = tune_shortlist(gen, prompts, a.trees, max_new_tokens=a.max_new_tokens)
-        grid = {"trees": [label(t) for t in a.trees]}
+        grid = {"trees": [t.label for t in a.trees]}
     else:
         configs = candidate_grid(a.totals, a.depths, a.top_ks)
         _log(f"{name} on {a.device} ({threads} thread(s)): {len(configs)} trees, {len(prompts)} prompts")
@@ -655,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({name: {a.device: entry}}, indent=2))
     if not a.dry_run:
         write_preset(a.out, name, a.device, entry)
-        _log(f"wrote {name}/{a.device} = {label(TreeConfig(**entry['tree']))} to {a.out}")
+        _log(f"wrote {name}/{a.device} = {TreeConfig(**entry['tree']).label} to {a.out}")
     return 0
 
 

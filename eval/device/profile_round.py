@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--trace", help="also write a chrome trace of one EAGLE-2 round (per backend) to TRACE.<backend>.json")
     a = p.parse_args()
-    tree = TreeConfig(*map(int, a.tree.split("/"))) if a.tree else None
+    tree = TreeConfig.parse(a.tree) if a.tree else None
     gen = SpeculativeGenerator.load(device="cuda", dtype="bfloat16", tree=tree, compile=not a.no_compile)
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
     out = {"tree": str(gen.tree), "compile": not a.no_compile, "device": torch.cuda.get_device_name(),
