@@ -44,10 +44,11 @@ class SlotDrafter:
 
     def __init__(self) -> None:
         # The draft vocabulary in use (TreeConfig.draft_vocab, set by ``allocate``): token ids ``[V_d]``
-        # (None: all) and their lm_head rows (weight, bias), kept per size so captured graphs stay valid.
+        # (None: all) and their lm_head rows (weight, bias), kept per size and ranking so that captured graphs
+        # stay valid.
         self.vocab: torch.Tensor | None = None
         self.vocab_lm: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._vocabs: dict[int, tuple] = {}
+        self._vocabs: dict[tuple[int, int], tuple] = {}
 
     def _forward(self, tokens, states, positions, slots, mask, backend: str | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -64,15 +65,16 @@ class SlotDrafter:
         if size == 0 or size >= self.lm.vocab_size:
             self.vocab = self.vocab_lm = None
             return
-        if size not in self._vocabs:
-            if self.ranking is None:
-                raise ConfigError(f"draft_vocab {size} needs a draft head with a token ranking ({RANKING_FILE}); "
-                                  "this drafter has none (use draft_vocab 0)")
+        if self.ranking is None:
+            raise ConfigError(f"draft_vocab {size} needs a draft head with a token ranking ({RANKING_FILE}); "
+                              "this drafter has none (use draft_vocab 0)")
+        key = (size, self.ranking.data_ptr())
+        if key not in self._vocabs:
             ids = self.ranking[:size].sort().values.to(self.lm.device)
             head = self.lm.lm_head
             bias = None if head.bias is None else head.bias[ids].contiguous()
-            self._vocabs[size] = (ids, (head.weight[ids].contiguous(), bias))
-        self.vocab, self.vocab_lm = self._vocabs[size]
+            self._vocabs[key] = (ids, (head.weight[ids].contiguous(), bias))
+        self.vocab, self.vocab_lm = self._vocabs[key]
 
     @torch.no_grad()
     def commit(self, next_tokens: torch.Tensor, features: torch.Tensor, n_accepted: torch.Tensor,

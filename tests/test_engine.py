@@ -833,6 +833,17 @@ def test_sampling_decode_is_lossless(stat_setup, temperature, top_p, n):
     assert chi_square_pvalue(counts, expected, n) > 1e-3
 
 
+def test_sampling_with_a_draft_vocabulary_is_lossless(stat_setup):
+    """Drafting among half the tokens changes which children are proposed, never the output distribution."""
+    model, target, drafter, prompt, first, second = stat_setup
+    ranked = ModelDrafter(drafter.model, ranking=torch.randperm(STAT_VOCAB, generator=torch.Generator().manual_seed(4)))
+    rule = AcceptanceRule(SamplingConfig(temperature=1.0))
+    setup = (model, target, ranked, prompt, first, second)
+    counts, accept_rate = sample_pairs(setup, rule, 2000, seed=1, tree=TreeConfig(4, 1, 3, draft_vocab=STAT_VOCAB // 2))
+    assert accept_rate > 0.2
+    assert chi_square_pvalue(counts, exact_pair_distribution(first, second, 1.0, 1.0), 2000) > 1e-3
+
+
 def _break_acceptance(monkeypatch):
     """Accept a child with probability min(1, 2 p / residual) instead of p / residual (u is halved)."""
     rand = torch.rand
