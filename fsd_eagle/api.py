@@ -13,9 +13,8 @@ from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, HeadMismatchError, InputError
-from .head import EagleHead, HeadConfig
-from .models import (DEFAULT_TARGET, RANKING_FILE, default_head_path, load_head, load_target, resolve_device,
-                     resolve_dtype)
+from .head import RANKING_FILE, EagleHead, HeadConfig
+from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
 from .target import Target
 from .verify import AcceptanceRule
 

@@ -18,8 +18,7 @@ from .attention import no_cudnn, prepare_mask, whole_blocks
 from .cache import SlotMask
 from .config import TreeConfig
 from .errors import ConfigError
-from .head import EagleHead
-from .models import RANKING_FILE
+from .head import RANKING_FILE, EagleHead
 from .ops import pick
 from .target import Target
 

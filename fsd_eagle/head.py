@@ -214,6 +214,9 @@ class HeadCache:
     values: torch.Tensor
 
 
+RANKING_FILE = "token_ranking.safetensors"  # a head folder's token ranking (see EagleHead.token_ranking)
+
+
 class EagleHead(nn.Module):
     """EAGLE's one-layer draft head. ``token_ranking`` ``[V]`` (optional, not a weight): every token id,
     most frequent first in the head's training answers; TreeConfig.draft_vocab drafts among its first

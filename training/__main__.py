@@ -205,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
 def rank(args: argparse.Namespace) -> int:
     """Write a head folder's token ranking from conversation files (for heads trained before rankings, or
     on other data): the answer tokens of every conversation, as the trainer counts them."""
-    from fsd_eagle.models import RANKING_FILE, save_ranking
+    from fsd_eagle.head import RANKING_FILE
+    from fsd_eagle.models import save_ranking
 
     head_dir = Path(args.head)
     if not (head_dir / "config.json").exists():
