@@ -13,7 +13,7 @@ from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, HeadMismatchError, InputError
-from .head import RANKING_FILE, EagleHead, HeadConfig
+from .head import EagleHead, HeadConfig
 from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
 from .target import Target
 from .verify import AcceptanceRule
@@ -140,9 +140,8 @@ class SpeculativeGenerator:
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:
             raise ConfigError(f"tree top_k {tree.top_k} exceeds the vocabulary size {self.target.vocab_size}")
-        if 0 < tree.draft_vocab < self.target.vocab_size and self.drafter is not None and not self._has_ranking():
-            raise ConfigError(f"draft_vocab {tree.draft_vocab} needs a draft head with a token ranking "
-                              f"({RANKING_FILE}, written by the trainer); this drafter has none (use draft_vocab 0)")
+        if self.drafter is not None:
+            self.drafter.limits_vocab(tree.draft_vocab)  # refuses a draft vocabulary without a ranking
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt text (chat template applied when the tokenizer has one, unless chat=False), a list of chat

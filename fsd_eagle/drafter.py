@@ -59,14 +59,21 @@ class SlotDrafter:
             return self.lm.logits(states)
         return self.lm.logits(states, *self.vocab_lm)
 
+    def limits_vocab(self, size: int) -> bool:
+        """Whether drafting among ``size`` tokens restricts anything (0, or the whole vocabulary: no); a
+        ConfigError if it would and this drafter has no token ranking."""
+        if size == 0 or size >= self.lm.vocab_size:
+            return False
+        if self.ranking is None:
+            raise ConfigError(f"draft_vocab {size} needs a draft head with a token ranking ({RANKING_FILE}, "
+                              "written by the trainer); this drafter has none (use draft_vocab 0)")
+        return True
+
     def use_vocab(self, size: int) -> None:
         """Draft among the ``size`` best-ranked tokens from now on (0, or the whole vocabulary: all tokens)."""
-        if size == 0 or size >= self.lm.vocab_size:
+        if not self.limits_vocab(size):
             self.vocab = self.vocab_lm = None
             return
-        if self.ranking is None:
-            raise ConfigError(f"draft_vocab {size} needs a draft head with a token ranking ({RANKING_FILE}); "
-                              "this drafter has none (use draft_vocab 0)")
         key = (size, self.ranking.data_ptr())
         if key not in self._vocabs:
             ids = self.ranking[:size].sort().values.to(self.lm.device)

@@ -52,8 +52,8 @@ from typing import Callable, Sequence
 import torch
 
 from fsd_eagle.config import TreeConfig
-from fsd_eagle.errors import ConfigError
 from fsd_eagle.decode import DecodeStats, decode, prefill_bucket
+from fsd_eagle.errors import ConfigError
 from fsd_eagle.models import default_head_path, head_weights_sha256
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.verify import AcceptanceRule
@@ -222,8 +222,11 @@ class SharedSteps:
 
     def __init__(self, drafter, sync: Callable[[], None], times: list[float]) -> None:
         self.drafter, self.sync, self.times = drafter, sync, times
-        self.vocab = drafter.vocab
         self.memo: dict[int, tuple[torch.Tensor, tuple]] = {}
+
+    @property
+    def vocab(self):
+        return self.drafter.vocab
 
     def logits(self, states, full=False):
         return self.drafter.logits(states, full)
