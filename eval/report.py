@@ -150,15 +150,19 @@ _SPEED_NAME = re.compile(r"^(?:(?P<plain>ar|eagle2)|fsd_(?P<div>[a-z_]+?)_T(?P<t
 
 def _speed_key(row: dict) -> tuple[str, int] | None:
     """(config key, preference) of a speed row, or None for a row that is no sweep config (``hf_generate``).
-    Rows are ours (``method`` ar / eagle2 / fsd with ``divergence`` and ``threshold``, or ``config``) or
-    eval/speed.py's names: ``ar_graph``, ``eagle2_eager``, ``fsd_kl_T1.0_compiled``; the fastest backend
-    is preferred: compiled, then CUDA graph, then eager."""
+    Rows are ours (``method`` ar / eagle2 / fsd with ``divergence``, ``threshold`` and ``backend``, or
+    ``config``) or older eval/speed.py names: ``ar_graph``, ``eagle2_eager``, ``fsd_kl_T1.0_compiled``; the
+    fastest backend is preferred: compiled, then CUDA graph, then eager. Sampling rows (temperature > 0) are
+    skipped."""
     if row.get("config"):
         return str(row["config"]), 0
+    if row.get("temperature"):
+        return None  # the sweep decodes greedily: a sampling row's speed is no measure of its configs
     method = str(row.get("method", ""))
     if method in ("ar", "eagle2", "fsd"):
         threshold = 0.0 if method == "eagle2" else threshold_from_json(row.get("threshold"))
-        return Config(method, row.get("divergence") if method == "fsd" else None, threshold).key, 0
+        rank = {"compiled": 0, "graph": 1, None: 2, "eager": 3}.get(row.get("backend"), 2)
+        return Config(method, row.get("divergence") if method == "fsd" else None, threshold).key, rank
     m = _SPEED_NAME.match(method)
     if m is None:
         return None
@@ -201,7 +205,7 @@ def merge_speed(rows: list[dict], speed: dict | list, source: str) -> int:
                 row[k] = v
         row["speedup_vs_ar"] = s.get("speedup_vs_ar")
         row["speed_source"] = label
-        row["speed_method"] = s.get("method", s.get("config"))
+        row["speed_method"] = s.get("name", s.get("method", s.get("config")))
         merged += 1
     ar = next((r for r in rows if r["method"] == "ar" and r.get("speed_source") == label), None)
     for row in rows:

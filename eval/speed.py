@@ -1,9 +1,16 @@
 """GPU speed benchmark (one process, one device): transformers ``generate``, our plain AR, exact EAGLE-2 and
-FSD, eager and CUDA-graph replay, on MT-bench first turns, greedy. Also a per-stage breakdown of one round,
-peak memory at a 2048-token context, and a random-weight Llama-3-8B-shaped target's per-round cost.
+FSD, eager, CUDA-graph replay and compiled rounds, on MT-bench first turns, greedy and at the temperatures
+of ``--temperatures``. Also a per-stage breakdown of one round, peak memory at a 2048-token context, and a
+random-weight Llama-3-8B-shaped target's per-round cost.
 
-    python -m eval speed --device cuda --dtype bfloat16 --limit 20 --compile --out eval/results/gpu_speed.json
+    python -m eval speed --device cuda --dtype bfloat16 --limit 80 --compile --out eval/results/gpu_speed.json
     python -m eval speed --methods ar,eagle2 --backends compiled --rows-only ...   # a shorter run
+    python -m eval speed --methods ar,eagle2,fsd --fsd kl:1,reverse_kl:1 --temperatures 0,0.7,1.0 \
+        --compile --rows-only --out eval/results/gpu_sampling.json                # sampling vs greedy
+
+Rows: ``method`` (hf_generate, ar, eagle2, fsd), ``divergence`` / ``threshold`` (FSD), ``backend`` (hf, eager,
+graph, compiled), ``temperature`` / ``top_p``, ``tokens_per_s``, ``tau``, ``prompts``, ``device``, ``mode`` and
+``attention`` (how the rounds really ran), and ``name``, a unique label.
 """
 
 from __future__ import annotations
@@ -53,18 +60,20 @@ def _summary(runs: list[float], device: torch.device) -> dict:
     return {"tokens_per_s": statistics.mean(runs), "tokens_per_s_runs": [round(x, 2) for x in runs], "peak_mem_gb": peak}
 
 
-def bench_method(gen, prompts, max_new_tokens: int, repeats: int, **kwargs) -> dict:
+def bench_method(gen, prompts, max_new_tokens: int, repeats: int, seeds: dict | None = None, **kwargs) -> dict:
     """Our decoder: warm-up on the longest prompt (largest cache, graph capture, compilation; its time is
-    ``warmup_s``) and a short call per prompt (prefill graphs of every length bucket), then timed runs."""
+    ``warmup_s``) and a short call per prompt (prefill graphs of every length bucket), then timed runs.
+    ``seeds``: a seed per prompt (sampling), so that every repeat decodes the same texts."""
     dev = gen.target.device
+    seeds = seeds or {}
     t = time.perf_counter()
     gen.generate(max(prompts, key=len), max_new_tokens, **kwargs)
     warmup_s = time.perf_counter() - t
     for p in prompts:  # capture every prompt-length bucket's prefill graph before timing
-        gen.generate(p, 2, **kwargs)
+        gen.generate(p, 2, seed=seeds.get(p), **kwargs)
 
     def run_one(p):
-        r = gen.generate(p, max_new_tokens, **kwargs)
+        r = gen.generate(p, max_new_tokens, seed=seeds.get(p), **kwargs)
         return r.stats.new_tokens, r
 
     runs, results = timed_runs(run_one, prompts, repeats, dev)
@@ -72,6 +81,7 @@ def bench_method(gen, prompts, max_new_tokens: int, repeats: int, **kwargs) -> d
     # time to the first token: the prefill (and, with graphs, the first round launched behind it)
     ttft_ms = 1000 * statistics.mean(r.stats.prefill_s for r in results)
     return {**_summary(runs, dev), "tau": tau, "warmup_s": round(warmup_s, 2), "ttft_ms": round(ttft_ms, 2),
+            "mode": results[-1].stats.mode, "attention": results[-1].stats.attention,
             "outputs": [r.token_ids for r in results]}
 
 
@@ -95,22 +105,25 @@ def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -
     """Mean milliseconds per round of each stage: draft tree, target forward (with the lm_head), verification,
     commits (both KV caches and the drafter's root step). Each stage is captured as its own CUDA graph (after
     torch.compile if ``compile``), the four replayed in turn as a round, timed with CUDA events."""
-    from fsd_eagle.decode import RoundState, commit_round
+    from fsd_eagle.decode import RoundState, commit_round, round_attention
     from fsd_eagle.sampling import choose
     from fsd_eagle.tree import draft_tree
     from fsd_eagle.verify import AcceptanceRule, verify_tree
 
     target, drafter, cfg, rule = gen.target, gen.drafter, gen.tree, AcceptanceRule()
-    target.use_attention(gen.resolve_attention())
+    form, values = rule.form, rule.values(target.device)
+    target.use_attention(round_attention(compile, target.config, gen.attention))
     dev = target.device
     ids = torch.tensor(gen.encode(prompt), device=dev)
     max_len = ids.shape[0] + (rounds + 8) * (cfg.depth + 1) + cfg.total_tokens + 8
     target.allocate(max_len)
     drafter.allocate(max_len, cfg)
     f = target.prefill(ids)
-    tok = choose(target.logits(f[-1:])[0], rule.sampling, None)
+    tok = choose(target.logits(f[-1:])[0], form, values, None)
     root = drafter.prefill(torch.cat([ids, tok[None]]), f)
-    st = RoundState(tok.clone(), root.logits.clone(), root.state.clone())
+    st = RoundState.create(dev)
+    st.root_token.copy_(tok)
+    st.root_logits, st.root_state = root.logits.clone(), root.state.clone()
     box: dict = {}
 
     def draft():
@@ -122,7 +135,7 @@ def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -
         box["logits"] = target.logits(box["f"])
 
     def verify():
-        box["v"] = verify_tree(box["tree"], box["logits"], rule)
+        box["v"] = verify_tree(box["tree"], box["logits"], form, values)
 
     def commit():
         commit_round(target, drafter, st, box["tree"], box["f"], box["v"])
@@ -200,33 +213,74 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
     return out
 
 
+def _label(row: dict) -> str:
+    """A row's unique name: method (with divergence and threshold for FSD), backend, and the sampling
+    settings when not greedy, e.g. ``eagle2_compiled``, ``fsd_kl_T1_graph_t0.7_p0.9``."""
+    name = row["method"] if row["method"] != "fsd" else f"fsd_{row['divergence']}_T{row['threshold']:g}"
+    name += f"_{row['backend']}" if row["backend"] != "hf" else ""
+    if row.get("temperature"):
+        name += f"_t{row['temperature']:g}" + (f"_p{row['top_p']:g}" if row.get("top_p", 1.0) < 1.0 else "")
+    return name
+
+
 def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
-    """Copies of the method rows with their speedup vs transformers ``generate`` and vs our AR of the same
-    backend (same kernels; HF's row against the graph AR), token agreement with those ARs' outputs, rounded."""
+    """Copies of the method rows, rounded, with: speedup vs transformers ``generate`` and vs our AR with the
+    same backend and sampling settings (same kernels; HF's row against the graph AR); for sampling rows, the
+    ratio to the same method's greedy row (``vs_greedy``); for greedy rows, token agreement with those ARs'
+    outputs (sampled texts differ by design, so they get none)."""
     from eval.metrics import token_agreement
 
-    ar_rows = {r["backend"]: r for r in rows if r["method"].startswith("ar_")}
-    base_hf = next((r["tokens_per_s"] for r in rows if r["method"] == "hf_generate"), None)
+    def settings(r: dict) -> tuple:
+        return r["backend"], r.get("temperature", 0.0), r.get("top_p", 1.0)
 
-    def agreement(method: str, ar_row: dict) -> float:
-        pairs = zip(outputs[method], outputs[ar_row["method"]])
+    ar_rows = {settings(r): r for r in rows if r["method"] == "ar"}
+    base_hf = next((r["tokens_per_s"] for r in rows if r["method"] == "hf_generate"), None)
+    greedy = {(r["method"], r.get("divergence"), r.get("threshold"), r["backend"]): r
+              for r in rows if not r.get("temperature")}
+
+    def agreement(row: dict, ar_row: dict) -> float:
+        pairs = zip(outputs[row["name"]], outputs[ar_row["name"]])
         return round(statistics.mean(token_agreement(x, y) for x, y in pairs), 4)
 
     done = []
     for row in rows:
         row = dict(row)
         row["speedup_vs_hf"] = round(row["tokens_per_s"] / base_hf, 3) if base_hf else None
-        same = ar_rows.get(row["backend"], ar_rows.get("graph"))
+        same = ar_rows.get(settings(row), ar_rows.get(("graph", 0.0, 1.0)))
         row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3) if same else None
-        if outputs.get(row["method"]) is not None and same:
-            row["agreement_vs_ar"] = agreement(row["method"], same)
-            if "graph" in ar_rows:
-                row["agreement_vs_ar_graph"] = agreement(row["method"], ar_rows["graph"])
+        if row.get("temperature"):
+            base = greedy.get((row["method"], row.get("divergence"), row.get("threshold"), row["backend"]))
+            row["vs_greedy"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
+        elif outputs.get(row["name"]) is not None and same:
+            row["agreement_vs_ar"] = agreement(row, same)
+            graph_ar = ar_rows.get(("graph", 0.0, 1.0))
+            if graph_ar:
+                row["agreement_vs_ar_graph"] = agreement(row, graph_ar)
         row["tokens_per_s"] = round(row["tokens_per_s"], 2)
         row["tau"] = round(row["tau"], 3)
         row["device"] = device_name
         done.append(row)
     return done
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {what} must be comma-separated numbers, got {text!r}") from None
+
+
+def parse_fsd(text: str) -> list[tuple[str, float]]:
+    """"kl:1,reverse_kl:1" -> [("kl", 1.0), ("reverse_kl", 1.0)]."""
+    from fsd_eagle.config import parse_threshold
+
+    out = []
+    for item in text.split(","):
+        div, _, t = item.strip().partition(":")
+        if not div or not t:
+            raise SystemExit(f"error: --fsd takes divergence:threshold pairs (e.g. kl:1,reverse_kl:1), got {item!r}")
+        out.append((div, parse_threshold(t)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eval.tasks import load_mt_bench
     from fsd_eagle.api import SpeculativeGenerator
-    from fsd_eagle.config import FuzzyConfig, parse_threshold
+    from fsd_eagle.config import FuzzyConfig
 
     p = argparse.ArgumentParser(prog="python -m eval speed")
     p.add_argument("--target")
@@ -247,8 +301,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure transformers generate on the first N prompts only (default: all; it is ~50x slower)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threshold", default="1.0")
+    p.add_argument("--threshold", default="1.0", help="FSD threshold (with --divergence; see --fsd for several)")
     p.add_argument("--divergence", default="kl")
+    p.add_argument("--fsd", help="FSD rows as divergence:threshold pairs, e.g. kl:1,reverse_kl:1 (default: "
+                                 "--divergence:--threshold)")
+    p.add_argument("--temperatures", default="0",
+                   help="comma-separated temperatures, 0 = greedy (e.g. 0,0.7,1.0); each method and backend is "
+                        "measured at each, in this order")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling rows (temperature > 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
     p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, trees/presets.json)")
     p.add_argument("--depth", type=int)
     p.add_argument("--tree-top-k", type=int)
@@ -266,11 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the method rows: no stage breakdown, peak memory or 8B-shape round cost")
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_speed.json"))
     a = p.parse_args(argv)
+    temperatures = parse_floats(a.temperatures, "--temperatures")
+    fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype)
     tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab)
     dev = gen.target.device
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
-    fuzzy = FuzzyConfig(threshold=parse_threshold(a.threshold), divergence=a.divergence)
     rows, outputs = [], {}
     partial = Path(a.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -278,25 +340,34 @@ def main(argv: list[str] | None = None) -> int:
     if "hf" in methods:
         hf_prompts = prompts[: a.hf_limit] if a.hf_limit else prompts
         hf = bench_hf(gen.target.model, gen.tokenizer, hf_prompts, a.max_new_tokens, max(1, a.repeats - 1))
-        outputs["hf_generate"] = hf.pop("outputs", None)  # agreement: over these prompts only
-        rows.append({"method": "hf_generate", "backend": "hf", "prompts": len(hf_prompts), **hf})
+        row = {"method": "hf_generate", "backend": "hf", "temperature": 0.0, "top_p": 1.0,
+               "prompts": len(hf_prompts), **hf}
+        row["name"] = _label(row)
+        outputs[row["name"]] = hf.pop("outputs", None)  # agreement: over these prompts only
+        rows.append(row)
     backends = (a.backends.split(",") if a.backends else
                 (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else []))
     compiled = "compiled" in backends
-    fsd_name = f"fsd_{a.divergence}_T{a.threshold}"
-    ours = [(name, kwargs) for key, name, kwargs in (("ar", "ar", dict(autoregressive=True)), ("eagle2", "eagle2", {}),
-                                                      ("fsd", fsd_name, dict(fuzzy=fuzzy))) if key in methods]
+    ours = ([("ar", None, None, dict(autoregressive=True))] if "ar" in methods else []) + \
+        ([("eagle2", None, 0.0, {})] if "eagle2" in methods else []) + \
+        ([("fsd", d, t, dict(fuzzy=FuzzyConfig(threshold=t, divergence=d))) for d, t in fsd_rows] if "fsd" in methods else [])
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
     for backend in backends:
         gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
-        for name, kwargs in ours:
-            row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, **kwargs)
-            outputs[f"{name}_{backend}"] = row.pop("outputs", None)
-            rows.append({"method": f"{name}_{backend}", "backend": backend, "attention": gen.resolve_attention(),
-                         "prompts": len(prompts), **row})
-            # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
-            partial.write_text(json.dumps(annotate(rows, outputs, device_name), default=str))
-            print(rows[-1]["method"], round(rows[-1]["tokens_per_s"], 1), "tok/s", flush=True)
+        for method, div, threshold, kwargs in ours:
+            for temperature in temperatures:
+                sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
+                seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
+                row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs)
+                row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend, **sampling,
+                       "prompts": len(prompts), **row}
+                row["name"] = _label(row)
+                outputs[row["name"]] = row.pop("outputs", None)
+                rows.append(row)
+                # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
+                partial.write_text(json.dumps(annotate(rows, outputs, device_name), default=str))
+                print(row["name"], round(row["tokens_per_s"], 1), "tok/s", "tau", round(row["tau"], 2),
+                      row["mode"], row["attention"], flush=True)
     rows = annotate(rows, outputs, device_name)
     extra = {}
     if dev.type == "cuda" and not a.rows_only:
@@ -315,20 +386,23 @@ def main(argv: list[str] | None = None) -> int:
         mem[name] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
     if mem:
         extra["peak_mem_gb_2048_context"] = {**mem, "backend": "compiled" if gen.compile else "graph"}
-    tau = next((r["tau"] for r in rows if r["method"] == f"eagle2_{backends[-1]}"), None)
+    tau = next((r["tau"] for r in rows if r["name"] == f"eagle2_{backends[-1]}"), None)
     if not a.skip_8b and not a.rows_only and dev.type == "cuda" and tau is not None:
         extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, compiled)
     result = {"rows": rows, **extra,
-              "meta": {"date": date.today().isoformat(), "device": rows[0]["device"], "torch": torch.__version__,
+              "meta": {"date": date.today().isoformat(), "device": device_name, "torch": torch.__version__,
                        "transformers": transformers.__version__, "dtype": a.dtype, "prompts": len(prompts),
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
+                       "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for row in rows:
-        print(f"{row['method']:28s} {row['tokens_per_s']:9.1f} tok/s  x{row['speedup_vs_hf']} vs HF  "
-              f"x{row['speedup_vs_ar']} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  agree {row.get('agreement_vs_ar')}")
-    print(json.dumps(extra))
+        print(f"{row['name']:34s} {row['tokens_per_s']:9.1f} tok/s  x{row['speedup_vs_hf']} vs HF  "
+              f"x{row['speedup_vs_ar']} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  "
+              f"agree {row.get('agreement_vs_ar')}  vs greedy {row.get('vs_greedy')}")
+    if extra:
+        print(json.dumps(extra))
     return 0
 
 

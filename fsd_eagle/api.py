@@ -8,9 +8,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .attention import check_backend, flex_supported
+from .attention import check_backend
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
-from .decode import DecodeStats, RoundRunner, decode
+from .decode import DecodeStats, RoundRunner, decode, round_attention
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, HeadMismatchError, InputError
 from .head import EagleHead, HeadConfig
@@ -46,7 +46,7 @@ class _Call:
     max_new_tokens: int
     rule: AcceptanceRule
     stop: tuple[str, ...]
-    generator: torch.Generator | None
+    seed: int
     autoregressive: bool
     clipped: bool = False  # max_new_tokens was lowered to fit the model's context
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -60,9 +60,9 @@ class SpeculativeGenerator:
         self.target = Target(model)
         self.tokenizer = tokenizer
         self.tree = tree
-        self.cuda_graphs = True  # replay each round as a CUDA graph on GPUs (greedy rules)
+        self.cuda_graphs = True  # replay each round (and prefill) as a CUDA graph on GPUs, for every rule
         self.compile = False  # compile the round with torch.compile before capture (GPUs; ~1 min once per setup)
-        self.attention: str | None = None  # tree attention of rounds (None: chosen per setup, see use_attention)
+        self.attention: str | None = None  # preferred tree attention of compiled rounds (see use_attention)
         self._runners: dict = {}
         self.drafter: SlotDrafter | None = None
         if head is not None and draft_model is not None:
@@ -124,18 +124,13 @@ class SpeculativeGenerator:
         return self.drafter is not None and self.drafter.ranking is not None
 
     def use_attention(self, backend: str | None) -> None:
-        """Tree-attention backend of rounds: "sdpa", "flex" or None (the default: "flex" for compiled GPU
-        rounds, where it measured fastest, else "sdpa"); see fsd_eagle.attention."""
+        """Preferred tree attention of compiled rounds: "sdpa", "flex" or None (the default: "flex" where the
+        model allows it, measured fastest for compiled GPU rounds). Rounds that are not compiled always use
+        SDPA: uncompiled FlexAttention is a slow reference. Each result's ``stats.attention`` says what ran;
+        see fsd_eagle.attention."""
         if backend is not None:
             check_backend(backend, self.target.config)
         self.attention = backend
-
-    def resolve_attention(self) -> str:
-        """The backend rounds use with the current settings (``attention``, or the per-device default)."""
-        if self.attention is not None:
-            return self.attention
-        compiled = self.compile and self.cuda_graphs and self.target.device.type == "cuda"
-        return "flex" if compiled and flex_supported(self.target.config) else "sdpa"
 
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:
@@ -198,13 +193,10 @@ class SpeculativeGenerator:
             stop = (stop,)
         if stop is not None and (not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop)):
             raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=self.target.device)
-            generator.manual_seed(0 if seed is None else seed)
         prompt_ids = torch.tensor(ids, dtype=torch.long, device=self.target.device)
         return _Call(prompt_ids, max_new_tokens, AcceptanceRule(sampling, fuzzy or FuzzyConfig()),
-                     tuple(s for s in (stop or ()) if s), generator, autoregressive or self.drafter is None, clipped)
+                     tuple(s for s in (stop or ()) if s), 0 if seed is None else seed,
+                     autoregressive or self.drafter is None, clipped)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
@@ -233,13 +225,18 @@ class SpeculativeGenerator:
         return result
 
     def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
-        """The reusable round runner (state buffers, captured graph) for this drafter, tree and rule."""
+        """The reusable round runner (state buffers, captured graphs) for this drafter, tree and rule form:
+        calls that differ only in temperature, top-p, top-k, threshold or seed share one. Its attention is
+        chosen for what it runs (``round_attention``: FlexAttention only in compiled rounds)."""
         drafter = drafter if self.tree.drafts else None
-        backend = self.resolve_attention()
-        key = (drafter is not None, self.tree, rule, self.cuda_graphs, self.compile, backend)
+        form = rule.form if drafter is not None else rule.form.exact()
+        graphs = self.cuda_graphs and self.target.device.type == "cuda"
+        compiled = self.compile and graphs
+        backend = round_attention(compiled, self.target.config, self.attention)
+        key = (drafter is not None, self.tree, form, graphs, compiled, backend)
         if key not in self._runners:
-            self._runners[key] = RoundRunner(self.target, drafter, self.tree, rule, compile=self.compile,
-                                             use_graph=None if self.cuda_graphs else False, attention=backend)
+            self._runners[key] = RoundRunner(self.target, drafter, self.tree, form, use_graph=graphs,
+                                             compile=compiled, attention=backend)
         return self._runners[key]
 
     def _run(self, call: _Call) -> Iterator[str | GenerationResult]:
@@ -247,7 +244,7 @@ class SpeculativeGenerator:
         tokens: list[int] = []
         text, reason = "", "max_new_tokens"
         for new in decode(self.target, drafter, call.prompt_ids, call.max_new_tokens, self.tree, call.rule,
-                          call.generator, call.stats, self._runner(drafter, call.rule)):
+                          call.seed, call.stats, self._runner(drafter, call.rule)):
             for tok in new:
                 if tok in self.eos_ids:
                     reason = "eos"

@@ -14,10 +14,12 @@ from typing import Iterator
 
 import torch
 
-from .config import SamplingConfig, TreeConfig
+from .attention import flex_supported
+from .config import TreeConfig
 from .drafter import DraftRoot, ModelDrafter, SlotDrafter
 from .ops import pick
-from .sampling import choose
+from .rng import RandomStream
+from .sampling import RuleForm, RuleValues, choose
 from .target import Target
 from .tree import DraftTree, draft_tree, root_tree
 from .verify import AcceptanceRule, Verdict, verify_tree
@@ -35,6 +37,8 @@ class DecodeStats:
     elapsed_s: float = 0.0
     prefill_s: float = 0.0  # time to the first token (prefill of target and drafter)
     accept_lengths: list[int] = field(default_factory=list)
+    mode: str = ""  # how the rounds ran: "eager", "graph" (CUDA graph replay) or "compiled" (compiled + graph)
+    attention: str = ""  # the rounds' tree attention: "sdpa" or "flex"
 
     @property
     def tau(self) -> float:
@@ -62,22 +66,32 @@ def plan_cache(prompt_len: int, max_new_tokens: int, tree: TreeConfig, granulari
 @dataclass
 class RoundState:
     """What one round hands the next, as device tensors updated in place (a captured graph reads them):
-    the root token (the target's last choice), and the drafter's root logits ``[V]`` and state ``[s]``."""
+    the root token (the target's last choice), the drafter's root logits ``[V]`` and state ``[s]``, and the
+    call's rule numbers and random stream (set per call by ``RoundRunner.begin``)."""
 
     root_token: torch.Tensor
+    values: RuleValues
+    rng: RandomStream
     root_logits: torch.Tensor | None = None
     root_state: torch.Tensor | None = None
 
+    @classmethod
+    def create(cls, device: torch.device) -> "RoundState":
+        return cls(torch.zeros((), dtype=torch.long, device=device), RuleValues.create(device),
+                   RandomStream.create(device))
 
-def prefill(target: Target, drafter: SlotDrafter | None, ids: torch.Tensor, n: torch.Tensor,
-            sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, DraftRoot | None]:
+
+def prefill(target: Target, drafter: SlotDrafter | None, ids: torch.Tensor, n: torch.Tensor, form: RuleForm,
+            values: RuleValues, rng: RandomStream) -> tuple[torch.Tensor, DraftRoot | None]:
     """Prompt -> both KV caches (emptied by ``allocate``). ids ``[Lb]``: the prompt in its first n entries
     (n a 0-dim tensor), padding after it, so that one captured graph serves every prompt of a bucket (the
     padding's cache rows lie past the prefix: masked, then overwritten). Returns the target's first token
-    (0-dim) and the drafter's root (None without a drafter)."""
+    (0-dim; sampled with ``rng``'s step 0, which then advances) and the drafter's root (None without one)."""
     features = target.prefill(ids)
     target.length.copy_(n)
-    root_token = choose(target.logits(pick(features, n - 1)[None])[0], sampling, generator)
+    root_token = choose(target.logits(pick(features, n - 1)[None])[0], form, values, rng)
+    if not form.greedy:
+        rng.advance()
     if drafter is None:
         return root_token, None
     tokens = torch.cat([ids, ids[:1]]).index_copy(0, n.reshape(1), root_token.reshape(1))
@@ -90,23 +104,51 @@ def prefill_bucket(prompt_len: int) -> int:
     return max(64, 1 << (prompt_len - 1).bit_length())
 
 
-def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tree_cfg: TreeConfig,
-              rule: AcceptanceRule, generator: torch.Generator | None) -> torch.Tensor:
-    """draft tree -> verify forward -> acceptance rule -> commit to both KV caches.
+@dataclass
+class RoundResult:
+    """One round as the host reads it: ``n_accepted`` tokens (root included: the tokens this round adds),
+    draft tokens accepted beyond the exact rule (``fuzzy_extra``), the sum and count of the divergences at
+    the path's decision nodes, and ``tokens``, the round's new tokens (``n_accepted`` of them)."""
 
-    Returns ``[4 + P]`` float64 (token ids are exact in float64): n_accepted, fuzzy_extra, div_count,
-    div_sum, then the P = depth + 1 next tokens (the first n_accepted are this round's new tokens).
-    """
+    n_accepted: int
+    fuzzy_extra: int
+    div_count: int
+    div_sum: float
+    tokens: list[int]
+
+    # The packed device form (see ``pack_round``): these four, then the P = depth + 1 next tokens.
+    FIELDS = ("n_accepted", "fuzzy_extra", "div_count", "div_sum")
+
+    @classmethod
+    def unpack(cls, packed: list[float]) -> "RoundResult":
+        meta = dict(zip(cls.FIELDS, packed))
+        n = int(meta["n_accepted"])
+        tokens = [int(t) for t in packed[len(cls.FIELDS): len(cls.FIELDS) + n]]
+        return cls(n, int(meta["fuzzy_extra"]), int(meta["div_count"]), meta["div_sum"], tokens)
+
+
+def pack_round(verdict: Verdict, next_tokens: torch.Tensor) -> torch.Tensor:
+    """``[4 + P]`` float64 (token ids are exact in float64): RoundResult.FIELDS, then the next tokens. One
+    tensor, so that the host reads a round with one copy."""
+    meta = torch.stack([verdict.n_accepted, verdict.fuzzy_extra, verdict.div_count]).double()
+    return torch.cat([meta, verdict.div_sum.double().reshape(1), next_tokens.double()])
+
+
+def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tree_cfg: TreeConfig,
+              form: RuleForm) -> torch.Tensor:
+    """draft tree -> verify forward -> acceptance rule -> commit to both KV caches (and, when sampling,
+    advance the random stream). Returns the packed round (``pack_round``; read with RoundResult.unpack)."""
     if drafter is not None:
         tree = draft_tree(drafter, state.root_token, state.root_logits, state.root_state, tree_cfg,
-                          with_q=rule.fuzzy.active)
+                          with_q=form.fuzzy)
     else:
         tree = root_tree(state.root_token)
     features = target.forward_tree(tree.tokens, tree.depths, tree.anc)
-    verdict = verify_tree(tree, target.logits(features), rule, generator)
+    verdict = verify_tree(tree, target.logits(features), form, state.values, state.rng)
+    if not form.greedy:
+        state.rng.advance()
     next_tokens = commit_round(target, drafter, state, tree, features, verdict)
-    meta = torch.stack([verdict.n_accepted, verdict.fuzzy_extra, verdict.div_count]).double()
-    return torch.cat([meta, verdict.div_sum.double().reshape(1), next_tokens.double()])
+    return pack_round(verdict, next_tokens)
 
 
 def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tree: DraftTree,
@@ -123,9 +165,9 @@ def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState,
     return next_tokens
 
 
-# Graphs dynamo may keep per compiled function: one per tree/rule configuration and cache size (rounds),
-# per configuration and prompt bucket (prefills). Past its default limit of 8, dynamo silently runs the
-# function eagerly, which the graph would capture as slow eager kernels (seen with 5 trees in one process).
+# Graphs dynamo may keep per compiled function: one per tree/rule form and cache size (rounds), per form
+# and prompt bucket (prefills). Past its default limit of 8, dynamo silently runs the function eagerly,
+# which the graph would capture as slow eager kernels (seen with 5 trees in one process).
 RECOMPILE_LIMIT = 64
 
 
@@ -137,8 +179,8 @@ def _compile(fn):
 @functools.cache
 def compiled_round():
     """``run_round`` compiled by inductor: fuses a round's many small kernels (norms, rotary, masks, tree
-    bookkeeping; on the H200 a compiled round took 3.6 ms against 6.5 ms) before graph capture. dynamo
-    recompiles per tree/rule configuration and cache shape."""
+    bookkeeping, the sampling rule's random numbers; on the H200 a compiled round took 3.6 ms against 6.5 ms)
+    before graph capture. dynamo recompiles per tree, rule form and cache shape, not per rule value."""
     return _compile(run_round)
 
 
@@ -150,38 +192,48 @@ def compiled_prefill():
     return _compile(prefill)
 
 
+def round_attention(compiled: bool, config, preferred: str | None = None) -> str:
+    """The tree attention of a runner's rounds: FlexAttention only where the round is compiled (eager
+    FlexAttention is a slow reference), and only for models it fits; else SDPA. ``preferred``: a user's
+    choice ("sdpa" or "flex", None: flex where it applies, measured fastest for compiled GPU rounds)."""
+    if compiled and preferred in (None, "flex") and flex_supported(config):
+        return "flex"
+    return "sdpa"
+
+
 @dataclass
 class PendingRound:
-    """A round's output ``[4 + P]`` (see ``run_round``) on its way to the host."""
+    """A round's packed output (see ``pack_round``) on its way to the host."""
 
     host: torch.Tensor  # on the CPU (a pinned buffer filled asynchronously in graph mode)
     event: torch.cuda.Event | None = None  # set when the copy is asynchronous
 
-    def result(self) -> list[float]:
+    def result(self) -> RoundResult:
         if self.event is not None:
             self.event.synchronize()  # waits for this round only, not for a round launched after it
-        return self.host.tolist()
+        return RoundResult.unpack(self.host.tolist())
 
 
 class RoundRunner:
-    """Runs rounds for one (target, drafter, tree, rule): eagerly, or on CUDA by replaying a captured graph
-    of ``run_round`` (captured on first use, optionally compiled first; eager again wherever capture fails,
-    with the same outputs). In graph mode ``launch`` returns before the round ends, so the host can read
-    one round while the GPU runs the next.
+    """Runs rounds for one (target, drafter, tree, rule form): eagerly, or on CUDA by replaying a captured
+    graph of ``run_round`` (captured on first use, compiled first with ``compile``), for greedy and sampling
+    forms alike; a call's rule numbers and seed are inputs of the graph (``begin``). If a compiled round
+    cannot be captured with FlexAttention it is tried with SDPA, then uncompiled; where nothing captures,
+    rounds run eagerly with the same outputs. In graph mode ``launch`` returns before the round ends, so the
+    host can read one round while the GPU runs the next.
 
-    Keep one runner per configuration: its RoundState buffers and its graph are reused across calls.
+    ``attention``: the rounds' tree attention (default: ``round_attention``, i.e. FlexAttention only for
+    compiled rounds). Keep one runner per configuration: its state buffers and its graphs are reused.
     """
 
-    def __init__(self, target: Target, drafter: SlotDrafter | None, tree_cfg: TreeConfig, rule: AcceptanceRule,
-                 use_graph: bool | None = None, compile: bool = False, attention: str = "sdpa") -> None:
-        self.target, self.drafter, self.tree_cfg, self.rule = target, drafter, tree_cfg, rule
-        self.attention = attention  # tree-attention backend of this runner's rounds (fsd_eagle.attention)
+    def __init__(self, target: Target, drafter: SlotDrafter | None, tree_cfg: TreeConfig, form: RuleForm,
+                 use_graph: bool | None = None, compile: bool = False, attention: str | None = None) -> None:
+        self.target, self.drafter, self.tree_cfg, self.form = target, drafter, tree_cfg, form
         dev = target.device
-        self.state = RoundState(torch.zeros((), dtype=torch.long, device=dev))
-        if use_graph is None:  # sampling draws from a per-call generator: graphs only for greedy rules
-            use_graph = dev.type == "cuda" and rule.sampling.greedy
-        self.use_graph = use_graph
-        self.compile = compile and use_graph
+        self.state = RoundState.create(dev)
+        self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
+        self.compile = compile and self.use_graph
+        self.attention = attention or round_attention(self.compile, target.config)
         self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # (graph, its output buffer)
         self.captured_for: tuple = ()
         self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)
@@ -191,19 +243,26 @@ class RoundRunner:
         self.prefills: dict[int, tuple] = {}
         self.prefills_for: tuple = ()
 
+    def begin(self, rule, seed: int | None) -> None:
+        """Set a call's rule numbers (an AcceptanceRule of this runner's form) and restart its random stream
+        at ``seed`` (greedy rules draw nothing). In place, without a host sync."""
+        self.state.values.set(rule)
+        self.state.rng.reseed(0 if seed is None else seed)
+
     def prompt_slots(self, prompt_len: int) -> int:
         """Cache rows the prefill writes: the padded length in graph mode."""
         return prefill_bucket(prompt_len) if self.use_graph else prompt_len
 
-    def prefill(self, prompt_ids: torch.Tensor, generator: torch.Generator | None):
+    def prefill(self, prompt_ids: torch.Tensor):
         """``prefill`` of the prompt ``[L]`` (caches allocated): eagerly, or in graph mode by replaying the
         graph captured for its bucket (the eager HF forward is ~25 ms of kernel launches on the H200).
         Returns (root_token, root) as ``prefill``."""
         n = prompt_ids.shape[0]
-        sampling = self.rule.sampling
+        st = self.state
+        form = self.form.exact()  # a prefill draws the first token: fuzzy settings play no part
         if not self.use_graph:
             return prefill(self.target, self.drafter, prompt_ids, torch.tensor(n, device=prompt_ids.device),
-                           sampling, generator)
+                           form, st.values, st.rng)
         caches = (self.target.cache, getattr(self.drafter, "cache", None))
         if any(a is not b for a, b in zip(caches, self.prefills_for)):
             self.prefills, self.prefills_for = {}, caches  # graphs hold cache addresses
@@ -215,13 +274,11 @@ class RoundRunner:
         ids[:n].copy_(prompt_ids)
         length.fill_(n)
         if entry is None:  # first prompt of this bucket: capture (warm-ups run on this prompt)
-            args = (self.target, self.drafter, ids, length, sampling, None)
+            args = (self.target, self.drafter, ids, length, form, st.values, st.rng)
             fn = functools.partial(prefill, *args)
-            state = [self.target.length] + ([self.drafter.length] if self.drafter else [])
-            captured = capture(functools.partial(compiled_prefill(), *args), state) if self.compile else None
-            if captured is None:  # not compiled, or compilation failed: eager kernels, still captured
-                captured = capture(fn, state)
-            entry = self.prefills[size] = (ids, length, fn, captured)  # captured None: this bucket runs eagerly
+            candidates = ([functools.partial(compiled_prefill(), *args)] if self.compile else []) + [fn]
+            found = capture_first(candidates, self._prefill_state())
+            entry = self.prefills[size] = (ids, length, fn, found and found[1])  # None: this bucket runs eagerly
         _, _, fn, captured = entry
         if captured is None:
             return fn()
@@ -239,20 +296,13 @@ class RoundRunner:
             st.root_logits.copy_(root.logits)
             st.root_state.copy_(root.state)
 
-    def launch(self, generator: torch.Generator | None) -> PendingRound:
+    def launch(self) -> PendingRound:
         """Start one round; its result is read with ``.result()``."""
-        self._apply_attention()
         if self.use_graph:
             caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
             if self.graph is None or any(a is not b for a, b in zip(caches, self.captured_for)):
                 # (Re)capture: first use, or a cache was reallocated (the graph holds its addresses).
-                self.graph = capture(self._round_fn(), self._state_tensors())
-                if self.graph is None and self.attention != "sdpa":
-                    # e.g. inductor finds no FlexAttention kernel for this model's head size; eager flex
-                    # would be a slow reference, so the rounds switch to SDPA, still captured.
-                    self.attention = "sdpa"
-                    self._apply_attention()
-                    self.graph = capture(self._round_fn(), self._state_tensors())
+                self.graph = self._capture_round()
                 self.captured_for = caches
                 self.use_graph = self.graph is not None
             if self.graph is not None:
@@ -266,26 +316,59 @@ class RoundRunner:
                 event = torch.cuda.Event()
                 event.record()
                 return PendingRound(buf, event)
-        out = run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator)
+        self._apply_attention()
+        out = run_round(self.target, self.drafter, self.state, self.tree_cfg, self.form)
         return PendingRound(out.cpu())
+
+    def _capture_round(self):
+        """Capture the round: compiled with the runner's attention, compiled with SDPA (e.g. inductor finds
+        no FlexAttention kernel for this head size), then uncompiled with SDPA; the first that captures
+        sets ``attention`` and ``compile``. None: nothing captured (rounds run eagerly, with SDPA)."""
+        options = [(True, self.attention), (True, "sdpa")] if self.compile else []
+        options = list(dict.fromkeys(options + [(False, "sdpa")]))
+        for compiled, backend in options:
+            self.compile, self.attention = compiled, backend
+            self._apply_attention()
+            fn = compiled_round() if compiled else run_round
+            found = capture_first([functools.partial(fn, self.target, self.drafter, self.state, self.tree_cfg,
+                                                     self.form)], self._round_state())
+            if found is not None:
+                return found[1]
+        return None
+
+    @property
+    def mode(self) -> str:
+        """How rounds run now: "compiled" (compiled, captured), "graph" (captured) or "eager"."""
+        if not self.use_graph:
+            return "eager"
+        return "compiled" if self.compile else "graph"
 
     def _apply_attention(self) -> None:
         self.target.use_attention(self.attention)
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.model.use_attention(self.attention)
 
-    def _round_fn(self):
-        fn = run_round
-        if self.compile:
-            fn = compiled_round()
-        return lambda: fn(self.target, self.drafter, self.state, self.tree_cfg, self.rule, None)
+    def _prefill_state(self) -> list[torch.Tensor]:
+        """What a prefill changes besides cache rows (restored after capture warm-ups)."""
+        return [self.target.length, self.state.rng.counter] + ([self.drafter.length] if self.drafter else [])
 
-    def _state_tensors(self) -> list[torch.Tensor]:
+    def _round_state(self) -> list[torch.Tensor]:
+        """What a round changes besides cache rows past the prefix (restored after capture warm-ups)."""
         st = self.state
-        tensors = [self.target.length, st.root_token]
+        tensors = [self.target.length, st.root_token, st.rng.counter]
         if self.drafter is not None:
             tensors += [self.drafter.length, st.root_logits, st.root_state]
         return tensors
+
+
+def capture_first(candidates: list, state: list[torch.Tensor]):
+    """Capture the first of ``candidates`` (functions without arguments) that captures: (its index, (graph,
+    outputs)); None if none does (see ``capture``)."""
+    for i, fn in enumerate(candidates):
+        captured = capture(fn, state)
+        if captured is not None:
+            return i, captured
+    return None
 
 
 def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, object] | None:
@@ -316,56 +399,63 @@ def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, object
 
 
 def decode(target: Target, drafter: SlotDrafter | None, prompt_ids: torch.Tensor, max_new_tokens: int,
-           tree_cfg: TreeConfig, rule: AcceptanceRule, generator: torch.Generator | None,
-           stats: DecodeStats, runner: RoundRunner | None = None) -> Iterator[list[int]]:
+           tree_cfg: TreeConfig, rule: AcceptanceRule, seed: int | None, stats: DecodeStats,
+           runner: RoundRunner | None = None) -> Iterator[list[int]]:
     """Yield the new token ids of each round (the caller stops iterating on EOS / stop strings).
 
-    prompt_ids ``[L]`` on the target's device. ``stats`` is filled as rounds complete; at most
-    ``max_new_tokens`` ids are yielded in total. ``runner``: a reusable RoundRunner for this configuration
-    (default: a fresh eager one). With a graph runner, the next round is launched before this one is read
-    unless this one may end the call (so a round is computed in vain only after an EOS or a stop string).
+    prompt_ids ``[L]`` on the target's device. ``seed``: of the call's random stream (sampling rules; None
+    is 0): the same seed, rule and prompt give the same tokens in every mode. ``stats`` is filled as rounds
+    complete; at most ``max_new_tokens`` ids are yielded in total. ``runner``: a reusable RoundRunner for
+    this configuration (default: a fresh eager one). With a graph runner, the next round is launched before
+    this one is read unless this one may end the call (so a round is computed in vain only after an EOS or
+    a stop string).
     """
     if max_new_tokens < 1:  # the prefill would already produce one token
         return
     drafting = drafter is not None and tree_cfg.drafts
     drafter = drafter if drafting else None
+    form = rule.form if drafting else rule.form.exact()
     if runner is None:
-        runner = RoundRunner(target, drafter, tree_cfg, rule, use_graph=False, attention=target.attention)
+        runner = RoundRunner(target, drafter, tree_cfg, form, use_graph=False, attention=target.attention)
+    elif runner.form != form:
+        raise ValueError(f"this runner decodes rule form {runner.form}, not {form}")
     start = time.perf_counter()
+    runner.begin(rule, seed)
     granularity = 2048 if target.device.type == "cuda" else 256
     max_len = plan_cache(runner.prompt_slots(prompt_ids.shape[0]), max_new_tokens, tree_cfg, granularity)
     target.allocate(max_len)
     if drafting:
         drafter.allocate(max_len, tree_cfg)
-    root_token, root = runner.prefill(prompt_ids, generator)
+    root_token, root = runner.prefill(prompt_ids)
     runner.start(root_token, root)
     # With a graph runner, the round launched ahead of the one read last (the first one before the prefill
     # is read).
-    pending = runner.launch(generator) if runner.use_graph and max_new_tokens > 1 else None
+    pending = runner.launch() if runner.use_graph and max_new_tokens > 1 else None
     stats.target_forwards += 1
     produced = 1
     stats.new_tokens += 1
     first = int(root_token)  # waits for the prefill
     stats.elapsed_s = stats.prefill_s = time.perf_counter() - start
+    stats.mode, stats.attention = runner.mode, runner.attention
     yield [first]
     # A round yields at most ``most`` tokens: a round that may end the call gets no successor launched
     # ahead (computing one in vain costs a whole round; waiting costs only a launch).
     most = min(tree_cfg.depth, tree_cfg.total_tokens - 1) + 1 if drafting else 1
     while produced < max_new_tokens:
-        current = pending or runner.launch(generator)
+        current = pending or runner.launch()
         ahead = runner.use_graph and produced + most < max_new_tokens
-        pending = runner.launch(generator) if ahead else None
-        host = current.result()  # the round's only host sync
-        n_acc, fuzzy_extra, div_count, div_sum = int(host[0]), int(host[1]), int(host[2]), host[3]
-        new = [int(t) for t in host[4: 4 + n_acc]][: max_new_tokens - produced]
+        pending = runner.launch() if ahead else None
+        result = current.result()  # the round's only host sync
+        new = result.tokens[: max_new_tokens - produced]
         produced += len(new)
         stats.target_forwards += 1
         stats.new_tokens += len(new)
-        stats.fuzzy_accepted += fuzzy_extra
-        stats.divergence_count += div_count
-        stats.divergence_sum += div_sum
-        stats.accept_lengths.append(n_acc)
+        stats.fuzzy_accepted += result.fuzzy_extra
+        stats.divergence_count += result.div_count
+        stats.divergence_sum += result.div_sum
+        stats.accept_lengths.append(result.n_accepted)
         stats.elapsed_s = time.perf_counter() - start
+        stats.mode, stats.attention = runner.mode, runner.attention
         yield new
 
 

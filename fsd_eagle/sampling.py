@@ -1,42 +1,101 @@
-"""Logit processing (temperature, top-k, top-p) and sync-free sampling."""
+"""Logit processing (temperature, top-k, top-p) and sync-free sampling.
+
+A rule is split in two so that one captured graph or compiled round serves many calls: ``RuleForm`` (what
+the code depends on: greedy or sampling, filtered or not, which fuzzy rule) is static and keys runners;
+``RuleValues`` (temperature, top-p, top-k, FSD threshold) are device tensors that a call fills in place.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .config import SamplingConfig
+from .rng import DRAW_TOKEN, RandomStream
 
 
-def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+@dataclass(frozen=True)
+class RuleForm:
+    """The static part of an acceptance rule (see verify.AcceptanceRule.form).
+
+    greedy: argmax rules (temperature 0); filtered: top-k or top-p filtering (one sort of each distribution
+    that is sampled); fuzzy: the FSD test is active (the draft's distributions are kept and the divergence
+    ``divergence`` computed, ``mode`` hybrid or pure, ``support_top_k``, on ``processed`` distributions).
+    """
+
+    greedy: bool = True
+    filtered: bool = False
+    fuzzy: bool = False
+    divergence: str = "kl"
+    mode: str = "hybrid"
+    support_top_k: int = 0
+    processed: bool = False
+
+    def exact(self) -> "RuleForm":
+        """This form without the fuzzy test (what plain autoregressive decoding needs)."""
+        return RuleForm(self.greedy, self.filtered)
+
+
+@dataclass
+class RuleValues:
+    """The numbers of a rule as 0-dim float32 device tensors, set in place per call (``set``), so that
+    captured graphs and compiled rounds read them by address: temperature, top_p, top_k (0: no top-k) and
+    the FSD threshold T (may be +inf)."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    threshold: torch.Tensor
+
+    @classmethod
+    def create(cls, device: torch.device | str) -> "RuleValues":
+        return cls(*(torch.zeros((), dtype=torch.float32, device=device) for _ in range(4)))
+
+    def set(self, rule) -> None:
+        """Copy an AcceptanceRule's numbers in (no host sync: fills of device tensors)."""
+        s = rule.sampling
+        self.temperature.fill_(s.temperature if s.temperature > 0 else 1.0)
+        self.top_p.fill_(s.top_p)
+        self.top_k.fill_(s.top_k)
+        self.threshold.fill_(rule.fuzzy.threshold)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.temperature, self.top_p, self.top_k, self.threshold]
+
+
+def process_logits(logits: torch.Tensor, form: RuleForm, values: RuleValues) -> torch.Tensor:
     """``[..., V]`` float32 logits -> logits of the distribution actually sampled (filtered entries are -inf).
 
-    Greedy configs return the logits unchanged (argmax is unaffected by temperature, top-k and top-p).
+    Greedy forms return the logits unchanged (argmax is unaffected by temperature, top-k and top-p).
+    Filtering sorts each row once: top-k keeps the tokens at least as likely as the k-th (ties kept), then
+    top-p drops a token when the mass strictly before it, within what top-k kept, already reaches top_p
+    (the top token always stays); top_p = 1 and top_k = 0 keep everything.
     """
-    if cfg.greedy:
+    if form.greedy:
         return logits
-    logits = logits / cfg.temperature
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if cfg.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-        drop_sorted = probs.cumsum(-1) - probs >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    logits = logits / values.temperature
+    if not form.filtered:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = values.top_k.long().clamp(min=1, max=logits.shape[-1]) - 1
+    kth = sorted_logits.gather(-1, k.expand(*logits.shape[:-1], 1))
+    keep_k = (values.top_k <= 0) | (sorted_logits >= kth)
+    probs = sorted_logits.masked_fill(~keep_k, float("-inf")).softmax(-1)
+    drop_sorted = ~keep_k | ((probs.cumsum(-1) - probs >= values.top_p) & (values.top_p < 1.0))
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample(probs: torch.Tensor, rng: RandomStream, draw: int) -> torch.Tensor:
     """Draw one index per row of ``[..., V]`` (unnormalized, non-negative) weights without a host sync:
-    argmax of w / E with E ~ Exp(1) (the exponential race) picks i with probability w_i / sum w."""
-    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    argmax of w / E with E ~ Exp(1) (the exponential race) picks i with probability w_i / sum w. E = -log U
+    with U from ``rng``'s draw ``draw`` at its current step."""
+    race = -torch.log(rng.uniform(tuple(probs.shape), draw))
     return (probs.float() / race).argmax(dim=-1)
 
 
-def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+def choose(logits: torch.Tensor, form: RuleForm, values: RuleValues, rng: RandomStream | None) -> torch.Tensor:
     """The target's next token from raw logits ``[..., V]``: argmax when greedy, else a sample of p."""
-    if cfg.greedy:
+    if form.greedy:
         return logits.argmax(dim=-1)
-    return sample(process_logits(logits, cfg).softmax(-1), generator)
+    return sample(process_logits(logits, form, values).softmax(-1), rng, DRAW_TOKEN)

@@ -13,8 +13,9 @@ import torch
 
 from .config import FuzzyConfig, SamplingConfig
 from .divergence import divergence
-from .sampling import process_logits, sample
 from .ops import pick
+from .rng import DRAW_ACCEPT, DRAW_TOKEN, RandomStream
+from .sampling import RuleForm, RuleValues, process_logits, sample
 from .tree import DraftTree
 
 
@@ -30,6 +31,22 @@ class AcceptanceRule:
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     fuzzy: FuzzyConfig = field(default_factory=FuzzyConfig)
+
+    @property
+    def form(self) -> RuleForm:
+        """What a round's code depends on (the rest are numbers, ``values``): one captured graph or compiled
+        round serves every temperature, top-p, top-k and threshold of a form."""
+        s, f = self.sampling, self.fuzzy
+        filtered = not s.greedy and (s.top_k > 0 or s.top_p < 1.0)
+        if not f.active:  # the exact rule: no divergences, whatever their settings
+            return RuleForm(greedy=s.greedy, filtered=filtered)
+        return RuleForm(s.greedy, filtered, True, f.divergence, f.mode, f.support_top_k, f.processed)
+
+    def values(self, device: torch.device | str = "cpu") -> RuleValues:
+        """The rule's numbers as device tensors (see RuleValues)."""
+        values = RuleValues.create(device)
+        values.set(self)
+        return values
 
 
 @dataclass
@@ -50,31 +67,34 @@ class Verdict:
     div_count: torch.Tensor
 
 
-def verify_tree(tree: DraftTree, target_logits: torch.Tensor, rule: AcceptanceRule,
-                generator: torch.Generator | None = None) -> Verdict:
-    """Accept a root path of ``tree`` under ``rule``; ``target_logits [n, V]`` are the raw float32 logits
-    of the verify forward (row i: the target's distribution for the children of node i)."""
+def verify_tree(tree: DraftTree, target_logits: torch.Tensor, form: RuleForm, values: RuleValues,
+                rng: RandomStream | None = None) -> Verdict:
+    """Accept a root path of ``tree`` under the rule ``form`` with its numbers ``values``; ``target_logits
+    [n, V]`` are the raw float32 logits of the verify forward (row i: the target's distribution for the
+    children of node i). ``rng``: the call's random stream (sampling forms only; read, not advanced)."""
     n, dev = tree.size, target_logits.device
-    if rule.fuzzy.active and tree.q_logits is not None:
-        div = node_divergences(tree, target_logits, rule)
-        fuzzy_ok = (div[tree.parents] <= rule.fuzzy.threshold) & top_children(tree)
+    if form.fuzzy and tree.q_logits is not None:
+        div = node_divergences(tree, target_logits, form, values)
+        fuzzy_ok = (div[tree.parents] <= values.threshold) & top_children(tree)
     else:  # the exact rule: no divergence work in the loop
         div = torch.full((n,), float("inf"), device=dev)
         fuzzy_ok = torch.zeros(n, dtype=torch.bool, device=dev)
-    accept = _accept_greedy if rule.sampling.greedy else _accept_sampling
-    path, n_acc, bonus, exact_len = accept(tree, target_logits, fuzzy_ok, rule, generator)
+    if form.greedy:
+        path, n_acc, bonus, exact_len = _accept_greedy(tree, target_logits, fuzzy_ok, form)
+    else:
+        path, n_acc, bonus, exact_len = _accept_sampling(tree, target_logits, fuzzy_ok, form, values, rng)
     decided = (torch.arange(path.shape[0], device=dev) < n_acc) & torch.isfinite(div[path])
     # Pure mode may accept fewer tokens than the exact rule would: that is no extra, not a negative one.
     return Verdict(path, n_acc, bonus, (n_acc - exact_len).clamp(min=0),
                    torch.where(decided, div[path], 0.0).sum(), decided.sum())
 
 
-def node_divergences(tree: DraftTree, target_logits: torch.Tensor, rule: AcceptanceRule) -> torch.Tensor:
+def node_divergences(tree: DraftTree, target_logits: torch.Tensor, form: RuleForm, values: RuleValues) -> torch.Tensor:
     """D(p_n, q_n) for every node ``[n]`` (float32); +inf where the node was never expanded."""
     p, q = target_logits, tree.q_logits[tree.q_row.clamp(min=0)].float()
-    if rule.fuzzy.processed:
-        p, q = process_logits(p, rule.sampling), process_logits(q, rule.sampling)
-    d = divergence(rule.fuzzy.divergence, p, q, rule.fuzzy.support_top_k)
+    if form.processed:
+        p, q = process_logits(p, form, values), process_logits(q, form, values)
+    d = divergence(form.divergence, p, q, form.support_top_k)
     return torch.where(tree.q_row >= 0, d, torch.full_like(d, float("inf")))
 
 
@@ -103,56 +123,59 @@ def deepest_accepted(tree: DraftTree, ok: torch.Tensor, exact_ok: torch.Tensor |
     return torch.argmax(torch.where(accepted, key, -1))
 
 
-def _accept_greedy(tree, logits, fuzzy_ok, rule, generator):
+def _accept_greedy(tree, logits, fuzzy_ok, form):
     """A node is ok if it is the target's argmax at its parent (exact) or passes the fuzzy test; in a tree
     both continue a branch, and the longest branch wins (so acceptance grows monotonically with T)."""
     argmax = logits.argmax(dim=-1)
     is_root = torch.arange(tree.size, device=logits.device) == 0
     exact_ok = (tree.tokens == argmax[tree.parents]) | is_root
     fuzzy_ok = fuzzy_ok | is_root
-    ok = fuzzy_ok if rule.fuzzy.mode == "pure" else exact_ok | fuzzy_ok
+    ok = fuzzy_ok if form.mode == "pure" else exact_ok | fuzzy_ok
     best = deepest_accepted(tree, ok, exact_ok)
     exact_len = pick(tree.depths, deepest_accepted(tree, exact_ok)) + 1
     return root_path(tree, best), pick(tree.depths, best) + 1, pick(argmax, best), exact_len
 
 
-def _accept_sampling(tree, logits, fuzzy_ok, rule, generator):
+def _accept_sampling(tree, logits, fuzzy_ok, form, values, rng):
     """Walk down from the root. At node c, try its children in draft order: accept child x with probability
     p(x) / (1 - mass of the children already rejected) (EAGLE-2's recursive rejection with a deterministic
-    draft: lossless). If all are rejected, the fuzzy rule may still take the top child; else the bonus is a
-    sample of p with the rejected children removed (pure mode: of p itself)."""
+    draft: lossless). If all are rejected, the fuzzy rule may still take the top child; else the walk ends
+    at c, and the bonus is a sample of p_c with c's (rejected) children removed (pure mode: of p_c itself).
+    A walk that runs out of tree ends at a leaf, whose p has nothing to remove: one bonus draw serves both.
+
+    Random numbers: one uniform per (level, node) and one race over the vocabulary for the bonus, all
+    from ``rng``'s current step."""
     n, dev = tree.size, logits.device
-    probs = process_logits(logits, rule.sampling).softmax(-1)  # [n, V]
-    pure = rule.fuzzy.mode == "pure"
+    probs = process_logits(logits, form, values).softmax(-1)  # [n, V]
+    pure = form.mode == "pure"
     idx = torch.arange(n, device=dev)
     top = top_children(tree)
+    uniforms = rng.uniform((tree.max_depth, n), DRAW_ACCEPT)
     cur = torch.zeros((), dtype=torch.long, device=dev)
     alive = torch.ones((), dtype=torch.bool, device=dev)
     exact_alive = alive.clone()
     n_acc = torch.ones((), dtype=torch.long, device=dev)
     exact_len = n_acc.clone()
-    bonus = torch.zeros((), dtype=torch.long, device=dev)
-    for _ in range(tree.max_depth):
+    for level in range(tree.max_depth):
         p = pick(probs, cur)
         children = (tree.parents == cur) & (idx > 0)
         p_child = torch.where(children, p[tree.tokens], 0.0)
         rejected_before = torch.cumsum(p_child, 0) - p_child
-        u = torch.rand(n, device=dev, generator=generator)
-        success = children & (u * (1.0 - rejected_before).clamp(min=1e-12) < p_child)
+        success = children & (uniforms[level] * (1.0 - rejected_before).clamp(min=1e-12) < p_child)
         exact_step = success.any()  # the exact rule accepts a child here (statistics, also in pure mode)
         exact_go = exact_step & (not pure)
         top_child = torch.argmax((children & top).int())
         fuzzy_go = children.any() & pick(fuzzy_ok, top_child)
         go = exact_go | fuzzy_go
         nxt = torch.where(exact_go, torch.argmax(success.int()), top_child)
-        stop_token = sample(p if pure else _remove(p, tree.tokens, children), generator)
-        bonus = torch.where(alive & ~go, stop_token, bonus)
         exact_alive = exact_alive & exact_step & alive
         exact_len = exact_len + exact_alive
         cur = torch.where(alive & go, nxt, cur)
         n_acc = n_acc + (alive & go)
         alive = alive & go
-    bonus = torch.where(alive, sample(pick(probs, cur), generator), bonus)
+    p = pick(probs, cur)
+    rejected = (tree.parents == cur) & (idx > 0)
+    bonus = sample(p if pure else _remove(p, tree.tokens, rejected), rng, DRAW_TOKEN)
     return root_path(tree, cur), n_acc, bonus, exact_len
 
 

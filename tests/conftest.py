@@ -84,3 +84,14 @@ def tiny_qwen2():
 @pytest.fixture(scope="session")
 def tiny_gemma3():
     return tiny_model("gemma3")
+
+
+def verify(tree, logits, rule, rng=None):
+    """``verify_tree`` under an AcceptanceRule: its form and values; ``rng`` a RandomStream, or an int seed
+    (a fresh stream at step 0)."""
+    from fsd_eagle.rng import RandomStream
+    from fsd_eagle.verify import verify_tree
+
+    if isinstance(rng, int):
+        rng = RandomStream.create(logits.device, rng)
+    return verify_tree(tree, logits, rule.form, rule.values(logits.device), rng)

@@ -32,7 +32,10 @@ from fsd_eagle.head import EagleHead, HeadConfig
 from fsd_eagle.models import load_head, save_head
 from fsd_eagle.target import Target
 from fsd_eagle.tree import draft_tree
-from fsd_eagle.verify import AcceptanceRule, verify_tree
+from fsd_eagle.rng import DRAW_ACCEPT, RandomStream
+from fsd_eagle.verify import AcceptanceRule
+
+from conftest import verify
 
 CPU = torch.device("cpu")
 GREEDY = AcceptanceRule()
@@ -57,10 +60,10 @@ def reference_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def run_decode(target, drafter, prompt, n, tree, rule=GREEDY, generator=None):
+def run_decode(target, drafter, prompt, n, tree, rule=GREEDY, seed=None):
     stats = DecodeStats()
     out: list[int] = []
-    for new in decode(target, drafter, prompt, n, tree, rule, generator, stats):
+    for new in decode(target, drafter, prompt, n, tree, rule, seed, stats):
         out += new
     return out, stats
 
@@ -72,7 +75,7 @@ def noisy_copy(model, scale: float, seed: int = 1):
     with torch.no_grad():
         for param in noisy.parameters():
             if param.dim() > 1:
-                param.add_(scale * param.std() * torch.randn(param.shape, generator=gen))
+                param.add_(scale * param.std() * torch.randn(param.shape, generator=gen).to(param.device))
     return noisy
 
 
@@ -474,7 +477,7 @@ def test_verify_greedy_accepts_the_greedy_root_path(shape, ties):
     tree, _, _ = _make_tree(shape, ties)
     vocab, seed = shape[3], shape[4]
     logits = _target_logits_for(tree, vocab, seed)
-    verdict = verify_tree(tree, logits, GREEDY)
+    verdict = verify(tree, logits, GREEDY)
     path = _check_root_path(tree, verdict)
     argmax, parents, tokens = logits.argmax(-1).tolist(), tree.parents.tolist(), tree.tokens.tolist()
     # Independent walk: follow the child that carries the target's argmax while there is one.
@@ -499,11 +502,12 @@ def test_verify_sampling_accepts_a_root_path(shape, temperature, top_p):
     vocab, seed = shape[3], shape[4]
     logits = _target_logits_for(tree, vocab, seed, boost=0.3)
     rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
-    gen = torch.Generator().manual_seed(seed)
+    rng = RandomStream.create("cpu", seed)
     probs = reference_probs(logits, temperature, top_p)
     parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
     for _ in range(3):
-        verdict = verify_tree(tree, logits, rule, gen)
+        verdict = verify(tree, logits, rule, rng)
+        rng.advance()
         path = _check_root_path(tree, verdict)
         for prev, node in zip(path, path[1:]):
             assert probs[prev, tokens[node]] > 0
@@ -814,11 +818,10 @@ STAT_TREE = TreeConfig(total_tokens=4, depth=1, top_k=3)
 
 def sample_pairs(setup, rule, n, seed, tree=STAT_TREE):
     _, target, drafter, prompt, _, _ = setup
-    gen = torch.Generator().manual_seed(seed)
     counts: Counter = Counter()
     accepted = 0
-    for _ in range(n):
-        out, stats = run_decode(target, drafter, prompt, 2, tree, rule, gen)
+    for i in range(n):
+        out, stats = run_decode(target, drafter, prompt, 2, tree, rule, seed * n + i)
         counts[tuple(out)] += 1
         accepted += stats.accept_lengths[0] > 1
     return counts, accepted / n
@@ -846,8 +849,9 @@ def test_sampling_with_a_draft_vocabulary_is_lossless(stat_setup):
 
 def _break_acceptance(monkeypatch):
     """Accept a child with probability min(1, 2 p / residual) instead of p / residual (u is halved)."""
-    rand = torch.rand
-    monkeypatch.setattr(torch, "rand", lambda *a, **k: rand(*a, **k) * 0.5)
+    uniform = RandomStream.uniform
+    monkeypatch.setattr(RandomStream, "uniform",
+                        lambda self, shape, draw: uniform(self, shape, draw) * (0.5 if draw == DRAW_ACCEPT else 1.0))
 
 
 def _break_residual(monkeypatch):
@@ -907,10 +911,11 @@ def exact_sequence_distribution(tree, probs: torch.Tensor) -> dict:
 
 
 def sample_verify(tree, logits, rule, n, seed):
-    gen = torch.Generator().manual_seed(seed)
+    rng = RandomStream.create("cpu", seed)
     counts: Counter = Counter()
     for _ in range(n):
-        v = verify_tree(tree, logits, rule, gen)
+        v = verify(tree, logits, rule, rng)
+        rng.advance()
         a = int(v.n_accepted)
         seq = tuple(int(t) for t in tree.tokens[v.path[1:a]].tolist()) + (int(v.bonus),)
         counts[seq] += 1
@@ -962,7 +967,7 @@ class AheadRunner(RoundRunner):
         self.launches = 0
         self.events: list[str] = []  # "launch" / "read", in order
 
-    def launch(self, generator):
+    def launch(self):
         self.launches += 1
         self.events.append("launch")
         events = self.events
@@ -972,14 +977,14 @@ class AheadRunner(RoundRunner):
                 events.append("read")
                 return super().result()
 
-        return Logged(run_round(self.target, self.drafter, self.state, self.tree_cfg, self.rule, generator))
+        return Logged(run_round(self.target, self.drafter, self.state, self.tree_cfg, self.form))
 
-    def prefill(self, prompt_ids, generator):
+    def prefill(self, prompt_ids):
         """Padded to its bucket, as a graph runner's prefill is."""
         n = prompt_ids.shape[0]
         ids = torch.zeros(prefill_bucket(n), dtype=torch.long)
         ids[:n] = prompt_ids
-        return prefill(self.target, self.drafter, ids, torch.tensor(n), self.rule.sampling, generator)
+        return prefill(self.target, self.drafter, ids, torch.tensor(n), self.form, self.state.values, self.state.rng)
 
 
 @pytest.mark.parametrize("tree", ["chain", "tiny", "default"])
@@ -992,7 +997,7 @@ def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree):
     target = Target(tiny_llama)
     drafter = _drafter("self", tiny_llama, target)
     prompt = random_prompt(3, 128)
-    runner = AheadRunner(target, drafter, cfg, GREEDY)
+    runner = AheadRunner(target, drafter, cfg, GREEDY.form)
     slots = runner.prompt_slots(prompt.shape[0])
     assert slots == 64 > prompt.shape[0]
     n = 256 - slots - 2 * cfg.depth - cfg.total_tokens - 3
@@ -1026,7 +1031,8 @@ def test_padded_prefill_equals_the_plain_one(tiny_llama, kind):
         drafter.allocate(256, cfg)
         ids = torch.full((size,), 7)
         ids[: prompt.shape[0]] = prompt
-        root_token, root = prefill(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.sampling, None)
+        root_token, root = prefill(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.form, GREEDY.values(),
+                                  RandomStream.create("cpu"))
         results.append((root_token, root.logits, root.state, int(target.length), int(drafter.length)))
     assert prefill_bucket(prompt.shape[0]) > prompt.shape[0]
     for plain, padded in zip(*results):
@@ -1050,9 +1056,10 @@ def test_a_round_flex_cannot_capture_switches_to_sdpa(tiny_llama, monkeypatch):
     drafter = _drafter("eagle", model, target)
     cfg = TREES["default"]
     prompt = random_prompt(4, 128)
-    runner = RoundRunner(target, drafter, cfg, GREEDY, use_graph=True, attention="flex")
+    runner = RoundRunner(target, drafter, cfg, GREEDY.form, use_graph=True, compile=True, attention="flex")
     out = [t for new in decode(target, drafter, prompt, 12, cfg, GREEDY, None, DecodeStats(), runner) for t in new]
-    assert seen[-2:] == ["flex", "sdpa"] and runner.attention == "sdpa" and not runner.use_graph
+    # compiled with flex, compiled with SDPA, then eager kernels with SDPA: none captures
+    assert seen[-3:] == ["flex", "sdpa", "sdpa"] and runner.attention == "sdpa" and runner.mode == "eager"
     assert out == reference_greedy(model, prompt, 12)
 
 
@@ -1077,7 +1084,8 @@ def test_compiled_prefill_equals_the_eager_one(tiny_llama):
         drafter.allocate(256, cfg)
         ids = torch.zeros(size, dtype=torch.long)
         ids[: prompt.shape[0]] = prompt
-        root_token, root = fn(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.sampling, None)
+        root_token, root = fn(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.form, GREEDY.values(),
+                              RandomStream.create("cpu"))
         n = prompt.shape[0]
         results.append((root_token, root.logits, root.state, target.length.clone(), drafter.length.clone(),
                         target.cache.kv[..., :n, :].clone(), drafter.cache.keys[..., :n, :].clone(),
@@ -1096,9 +1104,9 @@ def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
     target.use_attention(backend)
     drafter = _drafter("eagle", model, target)
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
-    runner = RoundRunner(target, drafter, cfg, GREEDY, use_graph=False)
+    runner = RoundRunner(target, drafter, cfg, GREEDY.form, use_graph=False)
     next(decode(target, drafter, random_prompt(1, 128), 2, cfg, GREEDY, None, DecodeStats(), runner))
-    report = torch._dynamo.explain(run_round)(target, drafter, runner.state, cfg, GREEDY, None)
+    report = torch._dynamo.explain(run_round)(target, drafter, runner.state, cfg, GREEDY.form)
     assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
 
 
@@ -1120,8 +1128,8 @@ def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab)
         target.use_attention(backend)
         drafter.model.use_attention(backend)
         prompt = random_prompt(1, 128)
-        runner = RoundRunner(target, drafter, cfg, GREEDY, use_graph=False)
+        runner = RoundRunner(target, drafter, cfg, GREEDY.form, use_graph=False)
         next(decode(target, drafter, prompt, 2, cfg, GREEDY, None, DecodeStats(), runner))  # prefill only
-        results.append(torch.stack([fn(target, drafter, runner.state, cfg, GREEDY, None) for _ in range(5)]))
+        results.append(torch.stack([fn(target, drafter, runner.state, cfg, GREEDY.form) for _ in range(5)]))
     assert torch.equal(results[0], results[1])
     assert (results[0][:, 0] > 1).any()  # some round accepted drafted tokens

@@ -323,6 +323,27 @@ def test_merge_speed_py_rows():
                                                 "prompts 20, repeats 2)")
 
 
+def test_merge_speed_rows_with_settings():
+    """Current eval/speed.py rows: method, divergence, threshold, backend, temperature, name. Compiled beats
+    graph; sampling rows never stand for the greedy sweep's configs."""
+    rows = aggregate(hand_records(), {"workers": 8, "device": "GPU"})
+    speed = {"meta": {"device": "NVIDIA H100"},
+             "rows": [{"method": "ar", "backend": "graph", "temperature": 0.0, "name": "ar_graph", "tokens_per_s": 120.0},
+                      {"method": "ar", "backend": "compiled", "temperature": 0.0, "name": "ar_compiled",
+                       "tokens_per_s": 200.0},
+                      {"method": "eagle2", "backend": "compiled", "temperature": 0.7, "name": "eagle2_compiled_t0.7",
+                       "tokens_per_s": 900.0},
+                      {"method": "eagle2", "backend": "compiled", "temperature": 0.0, "name": "eagle2_compiled",
+                       "tokens_per_s": 500.0},
+                      {"method": "fsd", "divergence": "kl", "threshold": "inf", "backend": "graph",
+                       "temperature": 0.0, "name": "fsd_kl_Tinf_graph", "tokens_per_s": 360.0}]}
+    assert merge_speed(rows, speed, "s") == 3
+    by = {r["config"]: r for r in rows}
+    assert by["ar"]["speed_method"] == "ar_compiled" and by["ar"]["tokens_per_s"] == 200.0
+    assert by["eagle2"]["speed_method"] == "eagle2_compiled" and by["eagle2"]["tokens_per_s"] == 500.0
+    assert by["fsd-kl-inf"]["tokens_per_s"] == 360.0
+
+
 def test_table_command_rebuilds_from_raw(tmp_path, capsys):
     store = ResultStore(tmp_path)
     for r in hand_records():

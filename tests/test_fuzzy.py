@@ -24,7 +24,9 @@ from fsd_eagle.drafter import ModelDrafter
 from fsd_eagle.errors import ConfigError, FSDError
 from fsd_eagle.target import Target
 from fsd_eagle.tree import DraftTree
-from fsd_eagle.verify import AcceptanceRule, verify_tree
+from fsd_eagle.verify import AcceptanceRule
+
+from conftest import verify
 from test_api import make_llama, noisy_copy  # noisy_copy: a drafter that agrees with the target often
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention
@@ -58,11 +60,10 @@ def prompt():
 
 def run_decode(model, draft, prompt_ids, n, tree, rule, seed=None):
     """Plain ids of one decode call and its stats (fresh Target / drafter wrappers every call)."""
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
     drafter = ModelDrafter(Target(draft)) if draft is not None else None
     stats = DecodeStats()
     out: list[int] = []
-    for new in decode(Target(model), drafter, prompt_ids, n, tree, rule, gen, stats):
+    for new in decode(Target(model), drafter, prompt_ids, n, tree, rule, seed, stats):
         out += new
     assert len(out) == n == stats.new_tokens
     return out, stats
@@ -230,12 +231,12 @@ def test_greedy_acceptance_monotonic_in_threshold(div, mode):
     lengths_seen = set()
     for seed in TREE_SEEDS:
         tree, chain, logits = build_tree(seed)
-        exact = verify_tree(tree, logits, AcceptanceRule())
+        exact = verify(tree, logits, AcceptanceRule())
         for support in (0, 3):
             previous = 0
             for t in T_GRID:
                 fuzzy = FuzzyConfig(threshold=t, divergence=div, mode=mode, support_top_k=support)
-                v = verify_tree(tree, logits, AcceptanceRule(GREEDY, fuzzy))
+                v = verify(tree, logits, AcceptanceRule(GREEDY, fuzzy))
                 path = check_path(tree, v)
                 n_acc = int(v.n_accepted)
                 lengths_seen.add(n_acc)
@@ -258,9 +259,9 @@ def test_greedy_acceptance_monotonic_in_threshold(div, mode):
 def test_hybrid_t0_verdict_equals_exact_on_trees():
     for seed in TREE_SEEDS:
         tree, _, logits = build_tree(seed)
-        exact = verify_tree(tree, logits, AcceptanceRule())
+        exact = verify(tree, logits, AcceptanceRule())
         for div in DIVERGENCES:
-            v = verify_tree(tree, logits, AcceptanceRule(GREEDY, FuzzyConfig(threshold=0.0, divergence=div)))
+            v = verify(tree, logits, AcceptanceRule(GREEDY, FuzzyConfig(threshold=0.0, divergence=div)))
             assert v.path.tolist() == exact.path.tolist()
             assert int(v.n_accepted) == int(exact.n_accepted) and int(v.bonus) == int(exact.bonus)
             assert int(v.fuzzy_extra) == 0
@@ -321,12 +322,12 @@ def test_handmade_hybrid_fuzzy_extra(handmade):
     rule = lambda t: AcceptanceRule(GREEDY, FuzzyConfig(threshold=t))  # noqa: E731
     # Exact: root -> a, then b is not argmax p_a = 4: bonus 4.
     for t in (0.0, below(d_a)):
-        v = verify_tree(tree, p, rule(t))
+        v = verify(tree, p, rule(t))
         assert (int(v.n_accepted), int(v.bonus), int(v.fuzzy_extra)) == (2, 4, 0)
         assert v.path.tolist() == [0, 1, 1, 1]
     # T = D_a (the boundary, D <= T) and more: b is taken fuzzily, c exactly; both count as extra.
     for t in (d_a, d_root, d_b, INF):
-        v = verify_tree(tree, p, rule(t))
+        v = verify(tree, p, rule(t))
         assert (int(v.n_accepted), int(v.bonus), int(v.fuzzy_extra)) == (4, 5, 2)
         assert v.path.tolist() == [0, 1, 2, 3]
         assert int(v.div_count) == 3  # root, a, b decided; c (never expanded) has no D
@@ -343,7 +344,7 @@ def test_handmade_pure_bonus_and_extra(handmade):
         (d_b, (4, 5, 2)), (INF, (4, 5, 2)),
     ]
     for t, expected in cases:
-        v = verify_tree(tree, p, rule(t))
+        v = verify(tree, p, rule(t))
         assert (int(v.n_accepted), int(v.bonus), int(v.fuzzy_extra)) == expected, t
 
 
@@ -352,9 +353,9 @@ def test_pure_bonus_is_argmax_of_p_not_the_draft():
     q = torch.stack([onehot_logits(8, [(1, 3.0)]), onehot_logits(8, [(2, 5.0)])])
     p = torch.stack([onehot_logits(8, [(1, 3.0)]), onehot_logits(8, [(4, 5.0)]), onehot_logits(8, [(6, 5.0)])])
     tree = chain_tree([0, 1, 2], q, [0, 1, -1])
-    v = verify_tree(tree, p, AcceptanceRule(GREEDY, FuzzyConfig(threshold=0.0, mode="pure")))
+    v = verify(tree, p, AcceptanceRule(GREEDY, FuzzyConfig(threshold=0.0, mode="pure")))
     assert (int(v.n_accepted), int(v.bonus)) == (2, 4)
-    v = verify_tree(tree, p, AcceptanceRule(GREEDY, FuzzyConfig(threshold=INF, mode="pure")))
+    v = verify(tree, p, AcceptanceRule(GREEDY, FuzzyConfig(threshold=INF, mode="pure")))
     assert (int(v.n_accepted), int(v.bonus)) == (3, 6)
 
 
@@ -366,7 +367,7 @@ def test_pure_sampling_bonus_is_drawn_from_p():
     tree = chain_tree([0, 1], q, [0, -1])
     rule = AcceptanceRule(SAMPLED, FuzzyConfig(threshold=1e-6, mode="pure"))
     for seed in range(10):
-        v = verify_tree(tree, p, rule, torch.Generator().manual_seed(seed))
+        v = verify(tree, p, rule, seed)
         assert (int(v.n_accepted), int(v.bonus), int(v.fuzzy_extra)) == (1, 1, 0)
 
 
@@ -380,13 +381,12 @@ def test_processed_divergence_uses_the_sampled_distributions():
     raw = FuzzyConfig(threshold=1e-6, mode="pure", divergence="js")
     processed = FuzzyConfig(threshold=1e-6, mode="pure", divergence="js", processed=True)
     for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
-        assert int(verify_tree(tree, p, AcceptanceRule(sampling, raw), g).n_accepted) == 1
-        v = verify_tree(tree, p, AcceptanceRule(sampling, processed), g)
+        assert int(verify(tree, p, AcceptanceRule(sampling, raw), seed).n_accepted) == 1
+        v = verify(tree, p, AcceptanceRule(sampling, processed), seed)
         assert int(v.n_accepted) == 2 and int(v.div_count) == 1 and float(v.div_sum) <= 1e-6
     # Greedy: processing is the identity, so processed and raw agree.
     for fuzzy in (raw, processed):
-        assert int(verify_tree(tree, p, AcceptanceRule(GREEDY, fuzzy)).n_accepted) == 1
+        assert int(verify(tree, p, AcceptanceRule(GREEDY, fuzzy)).n_accepted) == 1
 
 
 # ---------------------------------------------------------------------------- (d) sampling + FSD
@@ -399,7 +399,7 @@ def test_sampling_t_inf_accepts_full_chain(div, mode):
     for seed in range(6):
         tree, chain, logits = build_tree(seed, chain_only=True)
         assert chain == list(range(tree.size))
-        v = verify_tree(tree, logits, rule, torch.Generator().manual_seed(seed))
+        v = verify(tree, logits, rule, seed)
         assert check_path(tree, v) == chain
         assert int(v.n_accepted) == tree.max_depth + 1
         assert 0 <= int(v.fuzzy_extra) <= tree.max_depth
@@ -408,9 +408,9 @@ def test_sampling_t_inf_accepts_full_chain(div, mode):
 def test_sampling_t0_hybrid_verdict_equals_exact():
     for seed in TREE_SEEDS:
         tree, _, logits = build_tree(seed)
-        exact = verify_tree(tree, logits, AcceptanceRule(SAMPLED), torch.Generator().manual_seed(seed))
+        exact = verify(tree, logits, AcceptanceRule(SAMPLED), seed)
         for fuzzy in (FuzzyConfig(threshold=0.0, divergence="js"), FuzzyConfig(threshold=1e-12, divergence="tv")):
-            v = verify_tree(tree, logits, AcceptanceRule(SAMPLED, fuzzy), torch.Generator().manual_seed(seed))
+            v = verify(tree, logits, AcceptanceRule(SAMPLED, fuzzy), seed)
             assert v.path.tolist() == exact.path.tolist(), fuzzy
             assert int(v.n_accepted) == int(exact.n_accepted) and int(v.bonus) == int(exact.bonus)
             assert int(v.fuzzy_extra) == 0
@@ -423,7 +423,7 @@ def test_sampling_chain_acceptance_monotonic_with_same_draws():
         previous = 0
         for t in T_GRID:
             rule = AcceptanceRule(SAMPLED, FuzzyConfig(threshold=t, divergence="js"))
-            v = verify_tree(tree, logits, rule, torch.Generator().manual_seed(seed))
+            v = verify(tree, logits, rule, seed)
             assert int(v.n_accepted) >= previous
             previous = int(v.n_accepted)
         assert previous == tree.max_depth + 1
@@ -551,6 +551,6 @@ def test_fuzzy_never_replaces_the_exact_choice_for_no_gain():
     logits = torch.zeros(3, vocab)
     logits[0, 5] = 3.0  # the target prefers b at the root
     logits[1, 1] = logits[2, 2] = 3.0  # bonus tokens after a (1) and after b (2)
-    v = verify_tree(tree, logits, AcceptanceRule(fuzzy=FuzzyConfig(threshold=math.inf)))
+    v = verify(tree, logits, AcceptanceRule(fuzzy=FuzzyConfig(threshold=math.inf)))
     assert int(v.n_accepted) == 2 and v.path.tolist()[:2] == [0, 2]
     assert int(v.bonus) == 2 and int(v.fuzzy_extra) == 0

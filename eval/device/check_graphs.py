@@ -1,5 +1,6 @@
 """Quick GPU check: a round has no host sync (sync debug mode); graph-replayed and compiled rounds give
-the same tokens as eager rounds; how long a round takes each way (and how long compilation takes).
+the same tokens as eager rounds, greedy and sampling (same seed); how long a round takes each way (and how
+long compilation takes).
 
     python eval/device/check_graphs.py            # the default model and its shipped head
     python eval/device/check_graphs.py --tiny     # a small random Llama and head (no model files needed)
@@ -15,7 +16,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.decode import run_round  # noqa: E402
-from fsd_eagle.verify import AcceptanceRule  # noqa: E402
 
 
 def tiny_generator() -> SpeculativeGenerator:
@@ -48,31 +48,35 @@ if "--attention" in sys.argv:
 prompt = list(range(10, 60)) if tiny else "Explain how a transformer language model generates text, step by step."
 kw = dict(chat=False) if tiny else {}
 gen.cuda_graphs = False
-gen.generate(prompt, 32, **kw)
-runner = next(iter(gen._runners.values()))
-torch.cuda.synchronize()
-torch.cuda.set_sync_debug_mode("error")
-try:
-    run_round(gen.target, gen.drafter, runner.state, gen.tree, AcceptanceRule(), None)
-    print("round without host sync: ok")
-except RuntimeError as e:
-    print("host sync inside a round:", e)
-finally:
-    torch.cuda.set_sync_debug_mode("default")
-for ar in (True, False):
-    res = {}
-    for backend in ("eager", "graph", "compiled"):
-        gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
-        t = time.perf_counter()
-        gen.generate(prompt, 128, autoregressive=ar, **kw)
-        first = time.perf_counter() - t
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        r = gen.generate(prompt, 128, autoregressive=ar, **kw)
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-        res[backend] = r.token_ids
-        print(f"{'AR' if ar else 'EAGLE-2'} {backend}: first call {first:.1f} s; {r.stats.new_tokens / dt:.1f} tok/s, "
-              f"tau {r.stats.tau:.2f}, {1000 * dt / r.stats.target_forwards:.2f} ms/round", flush=True)
-    print("graph identical to eager:", res["graph"] == res["eager"],
-          "| compiled identical to eager:", res["compiled"] == res["eager"])
+SAMPLING = dict(temperature=0.7, top_p=0.9, seed=1)
+for label, kwargs in (("greedy", {}), ("sampling", SAMPLING)):
+    gen.generate(prompt, 32, **kwargs, **kw)
+    runner = list(gen._runners.values())[-1]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_round(gen.target, gen.drafter, runner.state, gen.tree, runner.form)
+        print(f"{label} round without host sync: ok")
+    except RuntimeError as e:
+        print(f"{label}: host sync inside a round:", e)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+for label, kwargs in (("greedy", {}), ("sampling", SAMPLING)):
+    for ar in (True, False):
+        res = {}
+        for backend in ("eager", "graph", "compiled"):
+            gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
+            t = time.perf_counter()
+            gen.generate(prompt, 128, autoregressive=ar, **kwargs, **kw)
+            first = time.perf_counter() - t
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            r = gen.generate(prompt, 128, autoregressive=ar, **kwargs, **kw)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            res[backend] = r.token_ids
+            print(f"{label} {'AR' if ar else 'EAGLE-2'} {backend} ({r.stats.mode}, {r.stats.attention}): first call "
+                  f"{first:.1f} s; {r.stats.new_tokens / dt:.1f} tok/s, tau {r.stats.tau:.2f}, "
+                  f"{1000 * dt / r.stats.target_forwards:.2f} ms/round", flush=True)
+        print(f"{label}: graph identical to eager:", res["graph"] == res["eager"],
+              "| compiled identical to eager:", res["compiled"] == res["eager"])

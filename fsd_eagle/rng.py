@@ -1,0 +1,87 @@
+"""Counter-based random numbers for sampling rounds that CUDA graphs and torch.compile can replay.
+
+A draw is a pure function of (key, counter, draw, element index): the key comes from the call's seed, the
+counter is a device tensor that every prefill and round advances by one in place, and ``draw`` (a small
+constant) tells apart the draws of one step. A captured graph or a compiled round therefore reads its
+random numbers from two tensors it holds by address, with no generator object, host state or host sync,
+and the same seed gives the same numbers in eager, graph and compiled rounds, on every device and in
+every process.
+
+The mixing function is a 32-bit integer hash (lowbias32: xor-shifts and multiplications by odd constants, a
+bijection with low bias), evaluated on int64 tensors whose values stay below 2^32; each multiplication is
+split into 16-bit halves so that no intermediate overflows int64. Two mixing rounds per element, keyed by
+two 32-bit words derived from (key, counter, draw), give the 24-bit uniforms a float32 holds exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MUL_A, _MUL_B = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+_GOLDEN = 0x9E3779B9  # separates the words mixed into a step's keys
+
+
+def _mul32(x: torch.Tensor | int, c: int):
+    """(x * c) mod 2^32 for 0 <= x < 2^32 without int64 overflow (x split into 16-bit halves)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + ((hi * (c & 0xFFFF)) << 16)) & _MASK32
+
+
+def mix32(x):
+    """lowbias32 of x (int64 tensor or int, values in [0, 2^32)): a bijection of 32-bit words."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MUL_A)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MUL_B)
+    return x ^ (x >> 16)
+
+
+@dataclass
+class RandomStream:
+    """A call's random numbers. key ``[2]`` int64: two 32-bit words derived from the seed; counter: 0-dim
+    int64, the step (prefill 0, then one per round). Both are updated in place only, so that a captured
+    graph that reads them stays valid across calls."""
+
+    key: torch.Tensor
+    counter: torch.Tensor
+
+    @classmethod
+    def create(cls, device: torch.device | str, seed: int = 0) -> "RandomStream":
+        stream = cls(torch.zeros(2, dtype=torch.long, device=device), torch.zeros((), dtype=torch.long, device=device))
+        stream.reseed(seed)
+        return stream
+
+    def reseed(self, seed: int) -> None:
+        """Restart at step 0 with the key of ``seed`` (any Python int; it is taken modulo 2^64)."""
+        seed %= 1 << 64
+        lo, hi = mix32(seed & _MASK32), mix32((seed >> 32) ^ _GOLDEN)
+        self.key[0].fill_(lo)  # fills: no host-to-device copy, which would wait for the device
+        self.key[1].fill_(mix32(hi ^ lo))
+        self.counter.zero_()
+
+    def advance(self) -> None:
+        """Next step (in place: captured graphs advance the stream as they replay)."""
+        self.counter.add_(1)
+
+    def bits(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
+        """Random 32-bit words ``shape`` (int64 in [0, 2^32)) of draw ``draw`` at the current step."""
+        step = self.counter & _MASK32
+        k1 = mix32(self.key[0] ^ _mul32(step, _GOLDEN) ^ draw)
+        k2 = mix32(self.key[1] ^ k1)
+        n = 1
+        for s in shape:
+            n *= s
+        index = torch.arange(n, device=self.key.device).reshape(shape)
+        return mix32(mix32(index ^ k1) ^ k2)
+
+    def uniform(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
+        """float32 uniforms in (0, 1) ``shape``: 24 random bits, offset by half a step (never 0 or 1)."""
+        return ((self.bits(shape, draw) >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+# Draw ids of one step (the stream's counter tells the steps apart).
+DRAW_TOKEN = 0  # the target's token after a prefill, or a round's bonus token
+DRAW_ACCEPT = 1  # a round's acceptance tests, one uniform per (tree level, node)
