@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from fsd_eagle.api import SpeculativeGenerator
+from fsd_eagle.cli import _quiet_transformers
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.errors import FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig
@@ -120,8 +121,9 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     from .distill import distill
     t = time.perf_counter()
     pool = train_convs[: recipe.distill_count or None]
-    note(f"self-distillation: the target answers {len(pool)} conversations (turns "
-         f"{settings['distill_turns'] + 1 if settings else 1}-{recipe.distill_turns}, up to "
+    first = settings["distill_turns"] + 1 if settings else 1
+    turns = f"turn {first}" if first == recipe.distill_turns else f"turns {first}-{recipe.distill_turns}"
+    note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, up to "
          f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}); cached in {cache}")
     distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
                         recipe.distill_new_tokens, recipe.distill_turns, cached,
@@ -159,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     set_threads(args.threads, device)
     note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}")
+    _quiet_transformers()  # no loading bar or info logs: the run's own progress lines are on stderr
     model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
     torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
     head = EagleHead(HeadConfig.for_target(model.config.get_text_config()))
