@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, help="tree depth (default: the target's preset)")
     p.add_argument("--tree-top-k", type=int, help="children per expanded node (default: the target's preset)")
     p.add_argument("--threads", type=int, help="torch CPU threads per worker (default: CPU cores / workers on "
-                                               "CPU, 1 on GPU; unchanged for one worker); 1 helps on a busy CPU")
+                                               "CPU, 1 on GPU; for one worker, fsd-eagle generate's default: "
+                                               "cores - 1, at most 4); 1 helps on a busy CPU")
     p.add_argument("--humaneval-timeout", type=float, default=5.0, help="seconds per HumanEval test run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

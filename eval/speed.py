@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target")
     p.add_argument("--head")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: SpeculativeGenerator.load's)")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--hf-limit", type=int,
                    help="measure transformers generate on the first N prompts only (default: all; it is ~50x slower)")
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     temperatures = parse_floats(a.temperatures, "--temperatures")
     fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
-    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype)
+    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads)
     tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab)
     dev = gen.target.device
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
@@ -391,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, compiled)
     result = {"rows": rows, **extra,
               "meta": {"date": date.today().isoformat(), "device": device_name, "torch": torch.__version__,
-                       "transformers": transformers.__version__, "dtype": a.dtype, "prompts": len(prompts),
+                       "transformers": transformers.__version__, "dtype": str(gen.target.dtype).replace("torch.", ""),
+                       "threads": torch.get_num_threads(), "prompts": len(prompts),
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}

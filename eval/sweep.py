@@ -302,13 +302,10 @@ def _init_worker(opts: dict) -> None:
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.cli import _quiet_transformers
 
-    threads = opts.get("threads")
-    if threads:
-        torch.set_num_threads(threads)
     torch.manual_seed(opts["seed"])
     _quiet_transformers()
     gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], draft_model=opts.get("draft_model"),
-                                    device=opts["device"], dtype=opts["dtype"])
+                                    device=opts["device"], dtype=opts["dtype"], threads=opts.get("threads"))
     tree = opts.get("tree") or {}  # explicit --total-tokens / --depth / --tree-top-k beat the preset
     gen.set_tree(tree.get("total_tokens"), tree.get("depth"), tree.get("top_k"))
     needs_drafter = any(c["method"] != "ar" for c in opts["configs"])
@@ -484,8 +481,8 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
               report: bool = True, threads: int | None = None) -> dict:
     """Run (or continue) a sweep into ``out``; returns the results dict also written to OUT/results.json.
 
-    ``threads``: torch CPU threads per worker (default: unchanged with one in-process worker; otherwise the
-    CPU cores shared among the workers on CPU, 1 per worker on GPU)."""
+    ``threads``: torch CPU threads per worker (default: SpeculativeGenerator.load's with one in-process worker;
+    otherwise the CPU cores shared among the workers on CPU, 1 per worker on GPU)."""
     from fsd_eagle.models import resolve_device, resolve_dtype
 
     configs = build_configs(methods, divergences, thresholds)

@@ -14,14 +14,11 @@ from collections import defaultdict
 
 def _worker(args) -> list[dict]:
     rank, jobs, opts = args
-    import torch
-
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.config import TreeConfig
 
-    torch.set_num_threads(1)
     gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], device=opts["device"],
-                                    dtype=opts["dtype"], tree=TreeConfig(**opts["tree"]))
+                                    dtype=opts["dtype"], tree=TreeConfig(**opts["tree"]), threads=1)
     rows = []
     for qid, category, prompt in jobs:
         r = gen.generate(prompt, opts["max_new_tokens"])

@@ -82,14 +82,22 @@ class SpeculativeGenerator:
     @classmethod
     def load(cls, target: str | Path | None = None, head: str | Path | None = None, draft_model: str | Path | None = None,
              device: str | None = None, dtype: str | None = None, tree: TreeConfig | None = None,
-             random_head: bool = False, compile: bool = False) -> "SpeculativeGenerator":
+             random_head: bool = False, compile: bool = False, threads: int | None = None) -> "SpeculativeGenerator":
         """Load a local target folder (default: SmolLM2-135M-Instruct) with ``head`` (default: the shipped
         head of the default target), or a ``draft_model`` folder; ``random_head`` builds an untrained head.
         ``compile``: on a GPU, compile each round configuration with torch.compile before graph capture
-        (about a minute on first use of a configuration, then several times fewer kernels per round)."""
+        (about a minute on first use of a configuration, then several times fewer kernels per round).
+        ``threads``: torch CPU threads, set once here with ``torch.set_num_threads`` (for the whole process).
+        Default on the CPU: the usable cores less one, at most 4, at least 1 (1 on a 2-core machine, where a
+        second thread gained nothing when idle and made decoding much slower as soon as anything
+        else ran; see ``fsd_eagle.models.default_threads``), unless OMP_NUM_THREADS is set; on a GPU the
+        count is left as it is unless given."""
         if head is not None and draft_model is not None:
             raise ConfigError("use either a draft head or a draft model, not both")
+        from .models import set_threads
+
         dev = resolve_device(device)
+        set_threads(threads, dev)
         dt = resolve_dtype(dtype, dev)
         model, tokenizer = load_target(target, dev, dt)
         head_path = head if head is not None else (default_head_path(DEFAULT_TARGET) if target is None else None)

@@ -39,6 +39,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text, no chat template")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on the CPU: cores - 1, at most 4, at least 1; unless "
+                        "OMP_NUM_THREADS is set)")
     p.add_argument("--compile", action="store_true",
                    help="GPU: torch.compile the round before graph capture (slow first call, faster rounds)")
     p.add_argument("--attention", choices=BACKENDS, default=None,
@@ -54,7 +57,7 @@ def run_generate(args: argparse.Namespace) -> int:
                         mode=args.fuzzy_mode, support_top_k=args.support_top_k)
     _quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
-                                    device=args.device, dtype=args.dtype, compile=args.compile)
+                                    device=args.device, dtype=args.dtype, compile=args.compile, threads=args.threads)
     # the preset, with explicit values winning
     gen.set_tree(args.total_tokens, args.depth, args.tree_top_k, args.draft_vocab)
     gen.use_attention(args.attention)

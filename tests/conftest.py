@@ -6,11 +6,15 @@ share one instance each (treat them as read-only: ``copy.deepcopy`` before chang
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 # Tiny matmuls: thread start-up and contention with other processes cost far more than they save
-# (measured 10-100x slower with 2 threads on a busy 2-core machine).
+# (measured 10-100x slower with 2 threads on a busy 2-core machine). OMP_NUM_THREADS also keeps
+# SpeculativeGenerator.load's default thread count from changing it (tests of that default unset it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")

@@ -408,3 +408,53 @@ def test_load_target_with_corrupt_weights(saved, tmp_path):
     with pytest.raises(ModelLoadError) as info:
         load(saved, target=folder)
     one_line_error(info)
+
+
+# ------------------------------------------------------------------------------------------ threads
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "2", True])
+def test_load_bad_threads(saved, threads, restore_threads):
+    with pytest.raises(ConfigError) as info:
+        load(saved, threads=threads)
+    assert "threads must be an integer >= 1" in one_line_error(info)
+
+
+def test_load_sets_threads_once(saved, monkeypatch, restore_threads):
+    """threads=N is applied with torch.set_num_threads, once, at load; on the CPU without a value the default
+    (cores - 1, at most 4, at least 1) applies unless OMP_NUM_THREADS is set; on a GPU nothing changes."""
+    import fsd_eagle.models as models
+
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n) or real(n))
+    g = load(saved, threads=2)
+    assert calls == [2] and torch.get_num_threads() == 2
+    g.generate(PROMPT, 4)
+    assert calls == [2]  # not again per call
+
+    calls.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    load(saved)
+    assert calls == []  # the user's OMP_NUM_THREADS is left alone
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    load(saved)
+    assert calls == [models.default_threads()]
+    calls.clear()
+    assert models.set_threads(None, torch.device("cuda")) is None and calls == []
+    assert models.set_threads(1, torch.device("cuda")) == 1 and calls == [1]  # explicit: applied on a GPU too
+
+
+@pytest.mark.parametrize("cores, expected", [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
+def test_default_threads_leave_a_core_free(monkeypatch, cores, expected):
+    import fsd_eagle.models as models
+
+    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert models.default_threads() == expected

@@ -104,6 +104,16 @@ def test_stream_output_matches_json(folders, capfd):
     assert rc == 0 and out == d["text"][: d["text"].index(d["text"].split()[3])] + "\n"
 
 
+def test_threads_option(folders, capfd):
+    """--threads N reaches SpeculativeGenerator.load, which applies it once."""
+    before = torch.get_num_threads()
+    try:
+        assert run_json(capfd, base_args(folders, "--threads", "2"))["new_tokens"] > 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_sampling_seed(folders, capfd):
     a = run_json(capfd, base_args(folders, "--temperature", "0.8", "--seed", "4"))
     b = run_json(capfd, base_args(folders, "--temperature", "0.8", "--seed", "4"))
@@ -191,6 +201,8 @@ def bad_cases(folders):
         "depth 0": base_args(folders, "--depth", "0"),
         "draft-vocab -1": base_args(folders, "--draft-vocab", "-1"),
         "draft-vocab without a ranking": base_args(folders, "--draft-vocab", "32"),
+        "threads 0": base_args(folders, "--threads", "0"),
+        "threads -2": base_args(folders, "--threads", "-2"),
         "missing target": ["generate", PROMPT, "--target", missing, "--device", "cpu", "--json"],
         "target without config": ["generate", PROMPT, "--target", str(no_config), "--device", "cpu"],
         "missing head": base_args(folders, head=False) + ["--head", missing],
@@ -226,7 +238,7 @@ def test_driver_reports_tracebacks(runs):
 BAD_CASES = ["empty prompt", "blank prompt", "max-new-tokens 0", "max-new-tokens -3", "device tpu", "dtype int3",
              "threshold -1", "threshold abc", "threshold nan", "divergence foo", "fuzzy-mode bad",
              "support-top-k -1", "temperature -1", "top-p 0", "tree-top-k 0", "depth 0", "draft-vocab -1",
-             "draft-vocab without a ranking", "missing target",
+             "draft-vocab without a ranking", "threads 0", "threads -2", "missing target",
              "target without config", "missing head", "head is the target", "device cuda",
              "corrupt target weights"]
 

@@ -486,3 +486,19 @@ def test_speed_rows_are_annotated_as_they_come():
     assert "speedup_vs_hf" not in rows[3]  # the measured rows are left as they were
     partial = annotate(rows[:1], {"hf_generate": None}, "GPU X")  # before any AR row
     assert partial[0]["speedup_vs_ar"] is None
+
+
+def test_speed_on_the_cpu_measures_float32_and_prints_only_rows(folders, tmp_path, capsys):
+    """python -m eval speed --device cpu: float32 by default (the exact method then agrees with AR token for
+    token), the thread count recorded, and nothing printed after the rows when there is no extra section."""
+    out = tmp_path / "speed.json"
+    assert eval_main(["speed", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+                      "--limit", "2", "--max-new-tokens", "8", "--repeats", "1", "--methods", "ar,eagle2",
+                      "--total-tokens", "6", "--depth", "3", "--tree-top-k", "2", "--threads", "1",
+                      "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["dtype"] == "float32" and result["meta"]["threads"] == 1
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["eagle2_graph"]["agreement_vs_ar"] == 1.0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("eagle2_graph") and "{" not in printed[-1]

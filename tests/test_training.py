@@ -697,3 +697,97 @@ def test_out_is_a_file(llama, tmp_path, capsys):
 ])
 def test_bad_recipe(llama, tmp_path, capsys, content, expected):
     _assert_refused(llama, tmp_path, capsys, "recipe", tmp_path / "recipe.json", content, expected)
+
+
+# ------------------------------------------------------------------------------ Ctrl-C, threads, budget
+
+
+def _stderr_lines(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_head_so_far(llama, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of an epoch: exit 130, one line saying where the checkpoint and the head so far are
+    and how to --resume; the head so far loads; the resumed run ends with exactly an uninterrupted run's head
+    and removes the partial one."""
+    recipe = llama.write_recipe("recipe_ctrl_c.json", epochs=2)
+    ref_out, out = tmp_path / "reference", tmp_path / "interrupted"
+    assert main(llama.argv(ref_out, recipe=recipe)) == 0
+    capsys.readouterr()
+
+    real_loss, calls = training.train.head_loss, []
+
+    def interrupt_third_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(training.train, "head_loss", interrupt_third_step)
+    assert main(llama.argv(out, recipe=recipe)) == 130
+    last = _stderr_lines(capsys)[-1]
+    assert last.startswith("interrupted at step 2 of ") and str(out / "checkpoint") in last, last
+    assert str(out / "head-partial") in last and "--resume" in last
+    assert _progress(out)["step"] == 2 and not (out / "head").exists()
+    config = json.loads((out / "head-partial" / "config.json").read_text())
+    assert config["training"]["interrupted_at_step"] == 2
+    load_head(out / "head-partial", load_target(llama.target, torch.device("cpu"), torch.float32)[0].config,
+              torch.device("cpu"), torch.float32)
+
+    monkeypatch.setattr(training.train, "head_loss", real_loss)
+    assert main(llama.argv(out, "--resume", recipe=recipe)) == 0
+    ref_head, head = load_file(ref_out / "head" / "model.safetensors"), load_file(out / "head" / "model.safetensors")
+    assert all(torch.equal(ref_head[k], head[k]) for k in ref_head)
+    assert not (out / "head-partial").exists()
+
+
+def test_ctrl_c_in_validation_keeps_the_epoch(llama, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while an epoch's validation decodes: the epoch's steps are in the checkpoint (a resumed run
+    starts the next epoch), exit 130."""
+    recipe = llama.write_recipe("recipe_ctrl_c_val.json", epochs=2)
+    out = tmp_path / "run"
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", interrupt)
+    assert main(llama.argv(out, recipe=recipe)) == 130
+    assert "--resume" in _stderr_lines(capsys)[-1]
+    progress = _progress(out)
+    assert progress["epoch"] == 1 and progress["step"] == progress["log"][0]["step"] > 0
+    assert "val_tau" not in progress["log"][0]
+
+
+def test_ctrl_c_before_training(llama, tmp_path, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training.distill, "distill", interrupt)
+    out = tmp_path / "run"
+    assert main(llama.argv(out)) == 130
+    assert _stderr_lines(capsys)[-1] == "interrupted before training started: run the same command again"
+
+
+def test_validation_stops_at_the_time_budget(llama, tmp_path, capsys):
+    """Validation counts in --time-budget: once it is spent, a validation decodes one prompt only (the
+    recipe has two) and says so; progress lines name the long steps."""
+    recipe = llama.write_recipe("recipe_val_budget.json", epochs=2)
+    out = tmp_path / "run"
+    assert main(llama.argv(out, "--time-budget", 1e-6, recipe=recipe)) == 0
+    lines = _stderr_lines(capsys)
+    assert any(line.startswith("self-distillation: the target answers") for line in lines)
+    assert any(line.startswith("tokenizing ") for line in lines)
+    assert any("validation (tau)" in line for line in lines)
+    log = _log(out)
+    assert len(log) == 2 and all(e["val_prompts_decoded"] == 1 for e in log)
+    assert main(llama.argv(tmp_path / "unbounded", recipe=recipe)) == 0
+    assert all("val_prompts_decoded" not in e and "val_tau" in e for e in _log(tmp_path / "unbounded"))
+
+
+def test_bad_threads_option(llama, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(llama.argv(out, "--threads", 0)) == 2
+    assert "threads must be an integer >= 1" in _one_line_error(capsys)
+    assert not out.exists()

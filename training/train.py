@@ -145,12 +145,16 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
           stop_after_s: float | None = None) -> tuple[list[dict], bool]:
     """Train ``head`` in place; checkpoints in ``out/checkpoint``. Returns (per-epoch log, finished).
 
-    ``validate(head) -> dict`` (optional) runs after each epoch (e.g. tau measured by decoding).
-    ``time_budget_s``: seconds of training for the whole run, resumed calls included: from step 60 on, every
-    100 steps, the mean step time is measured and the run shortened to fit (the LR schedule is rescaled to
-    the new length, so it still ends decayed); the fitted length is kept in the checkpoint for resumed calls.
+    ``validate(head, deadline) -> dict`` (optional) runs after each epoch (e.g. tau measured by decoding);
+    ``deadline`` is None, or with a time budget the ``time.perf_counter()`` value at which the budget is
+    spent (the validation may then stop early).
+    ``time_budget_s``: seconds for the whole run, resumed calls and validations included: from step 60 on,
+    every 100 steps, the mean step time (validations left out) is measured and the run shortened so that its
+    steps and the validations still to come (each as long as the last one) fit (the LR schedule is rescaled
+    to the new length, so it still ends decayed); the fitted length is kept in the checkpoint for resumed calls.
     ``stop_after_s``: this call stops after that many seconds with a checkpoint (finished False), to be
     continued with ``resume`` (e.g. a run longer than one job of a time-limited machine).
+    On KeyboardInterrupt (Ctrl-C) a checkpoint of the steps done is saved, then the interrupt goes on.
     """
     if not train_set:
         raise InputError("no training examples")
@@ -174,71 +178,93 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     started, first_step = time.perf_counter(), step
     before_s, fitted = schedule.get("train_s", 0.0), schedule.get("fitted", False)
+    deadline = started + time_budget_s - before_s if time_budget_s else None
+    val_s = last_val_s = val_s_at_tick = 0.0  # seconds of validation in this call, of the last one, before tick
 
     def save(epoch_done: int) -> None:
         save_checkpoint(out, head, opt, step, epoch_done, log,
                         {"total": total, "train_s": round(before_s + time.perf_counter() - started, 1), "fitted": fitted})
 
-    for epoch in range(first_epoch, recipe.epochs):
-        if step >= total:
-            break
-        batches = make_batches(train_set, recipe.tokens_per_batch, recipe.seed + epoch)
-        skip = step - epoch * batches_per_epoch
-        bar = tqdm(batches[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
-        # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch.
-        sums, count, tokens, t0 = torch.zeros(1 + 3 * recipe.unroll, device=device), 0, 0, time.perf_counter()
-        for idx in bar:
-            ids, attn, mask = collate(train_set, idx, device)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, total, recipe)
-            with autocast:
-                loss, metrics = head_loss(head, target, ids, attn, mask, recipe)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
-            opt.step()
-            step += 1
-            tokens += sum(len(train_set[i].ids) for i in idx)
-            sums += torch.cat([loss.detach().float()[None], metrics["feat"].float(), metrics["ce"].float(),
-                               metrics["acc"].float()])
-            count += 1
-            if step - first_step == 10:
-                tick = time.perf_counter()  # the first steps include one-time start-up costs
-            if time_budget_s and step - first_step >= 60 and (step - first_step) % 100 == 60:
-                # Refitted every 100 steps: early steps are slower (allocator growth, kernel autotuning for
-                # new shapes), so one early measurement would end the run well before its budget.
-                per_step = (time.perf_counter() - tick) / (step - first_step - 10)
-                left = time_budget_s - before_s - (time.perf_counter() - started)
-                total, fitted = min(cap, step + max(0, int(left / per_step))), True
+    def validations_until(end: int) -> int:
+        """Validations still to come if training ends at step ``end``: at each epoch end before it, and at it."""
+        return 1 + sum(1 for e in range(1, recipe.epochs + 1) if step < e * batches_per_epoch < end)
+
+    resume_epoch = first_epoch  # the epoch a checkpoint saved on Ctrl-C resumes in
+    try:
+        for epoch in range(first_epoch, recipe.epochs):
+            resume_epoch = epoch
             if step >= total:
                 break
-            if stop_after_s is not None and time.perf_counter() - started >= stop_after_s:
-                save(epoch)
+            batches = make_batches(train_set, recipe.tokens_per_batch, recipe.seed + epoch)
+            skip = step - epoch * batches_per_epoch
+            bar = tqdm(batches[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
+            # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch.
+            sums, count, tokens, t0 = torch.zeros(1 + 3 * recipe.unroll, device=device), 0, 0, time.perf_counter()
+            for idx in bar:
+                ids, attn, mask = collate(train_set, idx, device)
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, total, recipe)
+                with autocast:
+                    loss, metrics = head_loss(head, target, ids, attn, mask, recipe)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
+                opt.step()
+                step += 1
+                tokens += sum(len(train_set[i].ids) for i in idx)
+                sums += torch.cat([loss.detach().float()[None], metrics["feat"].float(), metrics["ce"].float(),
+                                   metrics["acc"].float()])
+                count += 1
+                if step - first_step == 10:
+                    tick, val_s_at_tick = time.perf_counter(), val_s  # the first steps include start-up costs
+                if time_budget_s and step - first_step >= 60 and (step - first_step) % 100 == 60:
+                    # Refitted every 100 steps: early steps are slower (allocator growth, kernel autotuning for
+                    # new shapes), so one early measurement would end the run well before its budget.
+                    per_step = (time.perf_counter() - tick - (val_s - val_s_at_tick)) / (step - first_step - 10)
+                    left = time_budget_s - before_s - (time.perf_counter() - started)
+                    end = step + max(0, int(left / per_step))
+                    if validate is not None and last_val_s:  # keep time for the validations still to come
+                        for _ in range(2):
+                            end = step + max(0, int((left - validations_until(end) * last_val_s) / per_step))
+                    total, fitted = min(cap, end), True
+                if step >= total:
+                    break
+                if stop_after_s is not None and time.perf_counter() - started >= stop_after_s:
+                    save(epoch)
+                    head.eval()
+                    return log, False
+                if step % 20 == 0:
+                    mean = (sums / count).tolist()
+                    bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[1 + 2 * recipe.unroll]:.3f}",
+                                    tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+                if step % recipe.checkpoint_every == 0:
+                    save(epoch)
+            bar.close()
+            means = (sums / max(1, count)).tolist()
+            entry = {"epoch": epoch + 1, "step": step, **named_metrics(means, recipe.unroll),
+                     "seconds": round(time.perf_counter() - t0, 1)}
+            log.append(entry)
+            resume_epoch = epoch + 1  # the epoch's steps are done (a Ctrl-C in validation keeps them)
+            if validate is not None:
                 head.eval()
-                return log, False
-            if step % 20 == 0:
-                mean = (sums / count).tolist()
-                bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[1 + 2 * recipe.unroll]:.3f}",
-                                tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-            if step % recipe.checkpoint_every == 0:
-                save(epoch)
-        means = (sums / max(1, count)).tolist()
-        entry = {"epoch": epoch + 1, "step": step, **named_metrics(means, recipe.unroll),
-                 "seconds": round(time.perf_counter() - t0, 1)}
-        if validate is not None:
-            head.eval()
-            entry.update(validate(head))
-            head.train()
-        log.append(entry)
-        print(json.dumps(entry), flush=True)
-        save(epoch + 1)
+                t = time.perf_counter()
+                entry.update(validate(head, deadline))
+                last_val_s = time.perf_counter() - t
+                val_s += last_val_s
+                head.train()
+            print(json.dumps(entry), flush=True)
+            save(epoch + 1)
+    except KeyboardInterrupt:
+        save(resume_epoch)
+        head.eval()
+        raise
     head.eval()
     return log, True
 
 
-def export_head(head: EagleHead, out: Path, recipe: Recipe, log: list, extra: dict) -> Path:
-    """The final head in our format (bf16 safetensors) plus its recipe and training log."""
-    final, tmp = out / "head", out / "head.tmp"
+def export_head(head: EagleHead, out: Path, recipe: Recipe, log: list, extra: dict, name: str = "head") -> Path:
+    """The final head in our format (bf16 safetensors) plus its recipe and training log, in ``out/name``."""
+    final, tmp = out / name, out / f"{name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     save_head(head, tmp, torch.bfloat16, extra={"training": extra})

@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, tree=DEFAULT_TREE,
-                                    compile=a.compile)
+                                    compile=a.compile, threads=threads)
     name = model_name(gen.target.model.config)
     texts = held_out_prompts(a.prompts if a.trees is None else a.validate)
     prompts = [gen.encode(text) for _, text in texts]

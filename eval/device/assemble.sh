@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Reassemble a model/data bundle carried to the GPU machine in pieces (the device tool carries at most
-# 64 MiB per call). Each call carries one piece as .carry/part_XX; this moves it to $STORE. When all
-# $PARTS pieces are there, it checks the bundle's sha256, unpacks it, installs the carried wheels
-# (--no-deps: no network there) and converts the default model into $FSD_EAGLE_CACHE.
+# Reassemble a model/data bundle copied to a GPU host in pieces (a host without network access whose
+# transfers are limited to 64 MiB each; see docs/gpu-host.md). Each command brings one piece as
+# .carry/part_XX; this moves it to $STORE. When all $PARTS pieces are there, it checks the bundle's
+# sha256, unpacks it, installs the copied wheels (--no-deps: no network there) and converts the default
+# model into $FSD_EAGLE_CACHE.
 # Usage: PARTS=3 SHA=<sha256 of the tar> bash eval/device/assemble.sh
 set -euo pipefail
 STORE=${STORE:-/root/carry}
