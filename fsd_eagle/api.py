@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -12,7 +14,7 @@ from .attention import check_backend, flex_supported
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
-from .errors import ConfigError, HeadMismatchError, InputError
+from .errors import BusyError, ConfigError, HeadMismatchError, InputError
 from .head import EagleHead, HeadConfig
 from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
 from .target import Target
@@ -64,6 +66,7 @@ class SpeculativeGenerator:
         self.compile = False  # compile the round with torch.compile before capture (GPUs; ~1 min once per setup)
         self.attention: str | None = None  # tree attention of rounds (None: chosen per setup, see use_attention)
         self._runners: dict = {}
+        self._calls = _OneCall()  # the caches and round state serve one call at a time
         self.drafter: SlotDrafter | None = None
         if head is not None and draft_model is not None:
             raise ConfigError("use either a draft head or a draft model, not both")
@@ -211,9 +214,14 @@ class SpeculativeGenerator:
                stop: str | Sequence[str] | None = None, chat: bool | None = None,
                autoregressive: bool = False, with_result: bool = False) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are accepted, then (only with ``with_result``) the GenerationResult
-        with the call's statistics; see ``generate`` for the other arguments."""
+        with the call's statistics; see ``generate`` for the other arguments.
+
+        The call starts at the first ``next()`` and holds the generator until the iterator is exhausted,
+        closed or garbage-collected: meanwhile another thread's call waits, and a call from this thread
+        raises BusyError (see ``generate``)."""
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
-        yield from (piece for piece in self._run(call) if with_result or isinstance(piece, str))
+        with self._calls.hold():
+            yield from (piece for piece in self._run(call) if with_result or isinstance(piece, str))
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
@@ -224,12 +232,17 @@ class SpeculativeGenerator:
         temperature 0 is greedy; otherwise top_p / top_k filter the target's distribution. ``fuzzy`` sets
         the FSD rule (default: exact). Generation stops at EOS, at any ``stop`` string (excluded from the
         text) or at max_new_tokens. ``autoregressive`` decodes without a drafter (the baseline).
+
+        One call runs at a time (the KV caches and round state are the generator's): a call from another
+        thread waits for the running one; a call while this thread's own ``stream`` iterator is unfinished
+        raises BusyError, since waiting for it would never end.
         """
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
         result = None
-        for piece in self._run(call):
-            if isinstance(piece, GenerationResult):
-                result = piece
+        with self._calls.hold():
+            for piece in self._run(call):
+                if isinstance(piece, GenerationResult):
+                    result = piece
         return result
 
     def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
@@ -286,12 +299,37 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+class _OneCall:
+    """Lets one generation call at a time use a generator's caches: ``hold()`` waits while another thread's
+    call runs, and raises BusyError when the running call is this thread's own (an unfinished stream
+    iterator: waiting for it would never end)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread that started the running call
+
+    @contextmanager
+    def hold(self):
+        me = threading.get_ident()
+        if self._owner == me:  # only this thread sets its own id, so this read cannot race to a wrong True
+            raise BusyError("this generator is already running a call (an unfinished stream?); finish or close "
+                            "it first, or use another generator")
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
 _DEFAULT: SpeculativeGenerator | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
 def generate(prompt: Prompt, max_new_tokens: int = 256, **kwargs) -> GenerationResult:
     """One-call API on the default model and its shipped head (loaded once, on the best device)."""
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = SpeculativeGenerator.load()
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = SpeculativeGenerator.load()
     return _DEFAULT.generate(prompt, max_new_tokens, **kwargs)
