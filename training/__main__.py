@@ -39,7 +39,7 @@ _TOKENIZER = None
 def _init_worker(path: str) -> None:
     global _TOKENIZER
     from transformers import AutoTokenizer
-    _TOKENIZER = AutoTokenizer.from_pretrained(path)
+    _TOKENIZER = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 def _tokenize(args):
