@@ -531,6 +531,9 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
     meta.update(settings=settings, tasks=tasks, limit={t: limit_of.get(t) for t in tasks},
                 configs=[c.key for c in configs], threads=opts["threads"], jobs_total=total,
                 jobs_skipped=total - len(jobs))
+    if "humaneval" in tasks:  # what contained the candidate programs on this machine
+        from .humaneval_exec import protections
+        meta["humaneval_sandbox"] = protections()
     print(f"sweep: {len(configs)} configs x {sum(len(q) for q in questions.values())} questions = {total} jobs; "
           f"{total - len(jobs)} already in {out}, {len(jobs)} to run on {meta['device']} with {workers} worker(s)",
           file=sys.stderr)
