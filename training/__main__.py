@@ -8,6 +8,7 @@ import argparse
 import copy
 import hashlib
 import json
+import math
 import shutil
 import sys
 import time
@@ -25,7 +26,8 @@ from fsd_eagle.target import Target
 
 from .data import main as data_main, read_conversations, write_conversations
 from .features import rank_tokens, tokenize_conversation
-from .recipe import Recipe
+from .fingerprint import check_resume, run_fingerprint, write_fingerprint
+from .recipe import Recipe, field_problem
 from .train import checkpoint_dir, export_head, train
 
 
@@ -119,21 +121,38 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     return distilled
 
 
-def run(args: argparse.Namespace) -> int:
+def recipe_of(args: argparse.Namespace) -> Recipe:
+    """The recipe file with the command line's values over it, every value checked (before any work)."""
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
     for key in ("epochs", "distill_count", "distill_turns", "answers", "init", "unroll"):
         if getattr(args, key) is not None:
+            problem = field_problem(key, getattr(args, key))
+            if problem:
+                raise InputError(f"--{key.replace('_', '-')} {problem}")
             setattr(recipe, key, getattr(args, key))
-    if recipe.distill_turns < 1:
-        raise InputError(f"--distill-turns must be at least 1, got {recipe.distill_turns}")
-    if recipe.unroll < 1:
-        raise InputError(f"--unroll must be at least 1, got {recipe.unroll}")
     if args.data:
         recipe.data = args.data
+    recipe.validate(f"recipe {args.recipe}")
     if not recipe.data:
         raise InputError("no training data: give --data FILE (from 'python -m training data prepare') or set it in the recipe")
+    check_options(args)
+    return recipe
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The command line's own numbers: workers, and the time budget / stop-after seconds."""
+    if not 1 <= args.workers <= 1024:
+        raise InputError(f"--workers must be between 1 and 1024, got {args.workers}")
+    if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):
+        raise InputError(f"--time-budget must be a finite number of seconds > 0, got {args.time_budget}")
+    if args.stop_after is not None and not (math.isfinite(args.stop_after) and args.stop_after >= 0):
+        raise InputError(f"--stop-after must be a finite number of seconds >= 0, got {args.stop_after}")
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = recipe_of(args)
     out = Path(args.out)
     check_out(out, args.resume, args.overwrite)
     if not args.overwrite:
@@ -152,7 +171,11 @@ def run(args: argparse.Namespace) -> int:
             raise HeadMismatchError(f"the head in {recipe.init} has another shape than this trainer's head for the target")
         head.load_state_dict(init)
     tok_dir = str(Path(recipe.target) if recipe.target else Path(model.config._name_or_path))
+    fingerprint = run_fingerprint(recipe, Path(tok_dir))
+    if args.resume and not args.overwrite and out.is_dir():
+        check_resume(out, fingerprint)
     prepare_out(out, args.resume, args.overwrite)
+    write_fingerprint(out, fingerprint)
     val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}
@@ -211,6 +234,11 @@ def rank(args: argparse.Namespace) -> int:
     head_dir = Path(args.head)
     if not (head_dir / "config.json").exists():
         raise InputError(f"no draft head at {head_dir}")
+    if not 1 <= args.workers <= 1024:
+        raise InputError(f"--workers must be between 1 and 1024, got {args.workers}")
+    problem = field_problem("max_len", args.max_len)
+    if problem:
+        raise InputError(f"--max-len {problem}")
     convs = [c for path in args.data for c in read_conversations(Path(path))]
     if not convs:
         raise InputError("the conversation files hold no conversation")
