@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import training.__main__ as cli
+import training.cli as cli
 import training.distill
 from conftest import tiny_model
 from test_training import RECIPE, Setup, _one_line_error, _write, word_tokenizer
