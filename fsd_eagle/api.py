@@ -116,7 +116,7 @@ class SpeculativeGenerator:
         from .trees_presets import preset_tree, with_overrides
 
         preset = preset_tree(self.target)
-        if draft_vocab is None and not self._has_ranking():
+        if draft_vocab is None and (not self._has_ranking() or preset.draft_vocab > self.target.vocab_size):
             preset = with_overrides(preset, draft_vocab=0)
         tree = with_overrides(preset, total_tokens, depth, top_k, draft_vocab)
         self._check_tree(tree)
@@ -143,15 +143,27 @@ class SpeculativeGenerator:
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:
             raise ConfigError(f"tree top_k {tree.top_k} exceeds the vocabulary size {self.target.vocab_size}")
+        if tree.draft_vocab > self.target.vocab_size:
+            raise ConfigError(f"tree draft_vocab {tree.draft_vocab} exceeds the vocabulary size "
+                              f"{self.target.vocab_size} (0 drafts among all tokens)")
+        room = self.target.max_positions
+        if tree.total_tokens + tree.depth + 2 >= room:
+            raise ConfigError(f"a tree of {tree.total_tokens} tokens and depth {tree.depth} does not fit the "
+                              f"model's context of {room} tokens")
         if self.drafter is not None:
             self.drafter.limits_vocab(tree.draft_vocab)  # refuses a draft vocabulary without a ranking
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt text (chat template applied when the tokenizer has one, unless chat=False), a list of chat
-        messages, or token ids."""
+        messages, or token ids. Every id the tokenizer gives must be one the model has (a tokenizer of
+        another model may give more)."""
+        return self._known_ids(self._encode(prompt, chat), "the tokenizer gave")
+
+    def _encode(self, prompt: Prompt, chat: bool | None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InputError("the prompt is empty")
+            _check_text(prompt, "the prompt")
             use_chat = chat if chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
             if use_chat:
                 return self._chat_ids([{"role": "user", "content": prompt}])
@@ -164,19 +176,29 @@ class SpeculativeGenerator:
         if all(isinstance(m, dict) for m in items):
             return self._chat_ids(items)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            bad = [t for t in items if not 0 <= t < self.target.vocab_size]
-            if bad:
-                raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
-            return items
+            return self._known_ids(items, "the prompt has")
         raise InputError("a prompt must be a string, a list of chat messages or a list of token ids")
 
+    def _known_ids(self, ids: list[int], source: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise InputError(f"{source} token id {bad[0]}, outside the model's vocabulary (size "
+                             f"{self.target.vocab_size})")
+        return ids
+
     def _chat_ids(self, messages: list[dict]) -> list[int]:
+        from jinja2.exceptions import TemplateError
+
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError("this tokenizer has no chat template: pass plain text with chat=False")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InputError(f"chat message {i} needs a 'role' and a 'content', both strings; got {m!r:.80}")
+            _check_text(m["content"], f"chat message {i}")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"bad chat messages: {e}") from None
+        except (KeyError, TypeError, ValueError, TemplateError) as e:
+            raise InputError(f"bad chat messages: {' '.join(str(e).split())}") from None
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -286,6 +308,14 @@ class SpeculativeGenerator:
             yield final[len(text):]
         call.stats.new_tokens = len(tokens) + (reason == "eos")
         yield GenerationResult(final, tokens, call.stats, reason)
+
+
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that is not Unicode (lone surrogates: e.g. bytes of a command line that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid UTF-8 text (position {e.start})") from None
 
 
 def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:

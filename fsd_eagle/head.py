@@ -125,16 +125,20 @@ def _rope_config(cfg: HeadConfig) -> LlamaConfig:
 
 
 def _check_rope(cfg: HeadConfig) -> None:
-    """Build the rotary embedding on the meta device (no memory): transformers checks the RoPE fields there."""
+    """Build the rotary embedding on the meta device (no memory): transformers checks the RoPE fields (and
+    the attention shape) there."""
+    from huggingface_hub.errors import StrictDataclassError  # what transformers' config validators raise
+
     rope = cfg.rope_parameters
     if not isinstance(rope, dict) or not isinstance(rope.get("rope_type", "default"), str):
         raise ConfigError(f"head rope_parameters must be an object with a rope_type, got {rope!r}")
     try:
         with torch.device("meta"):
             LlamaRotaryEmbedding(_rope_config(cfg))
-    except (KeyError, ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
-        message = " ".join(str(e).strip("'\"").split())
-        raise ConfigError(f"head rope_parameters {rope!r} are not usable: {message}") from None
+    except (KeyError, ValueError, TypeError, AttributeError, ZeroDivisionError, StrictDataclassError) as e:
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e
+        message = " ".join(str(cause).strip("'\"").split())
+        raise ConfigError(f"head settings are not usable (rope_parameters {rope!r}): {message}") from None
 
 
 def _act_name(config) -> str:
