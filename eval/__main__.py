@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:  # not the main thread
             pass
     try:
+        from fsd_eagle.cli import quiet_transformers
+
+        quiet_transformers()
         return {"sweep": run_sweep_command, "tau": run_tau_command, "table": run_table_command}[args.command](args, argv)
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)

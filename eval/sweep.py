@@ -300,13 +300,13 @@ def _init_worker(opts: dict) -> None:
     import torch
 
     from fsd_eagle.api import SpeculativeGenerator
-    from fsd_eagle.cli import _quiet_transformers
+    from fsd_eagle.cli import quiet_transformers
 
     threads = opts.get("threads")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(opts["seed"])
-    _quiet_transformers()
+    quiet_transformers()
     gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], draft_model=opts.get("draft_model"),
                                     device=opts["device"], dtype=opts["dtype"])
     tree = opts.get("tree") or {}  # explicit --total-tokens / --depth / --tree-top-k beat the preset

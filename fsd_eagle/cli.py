@@ -72,7 +72,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {args.seed}")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    _quiet_transformers()
+    quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
                                     device=args.device, dtype=args.dtype, compile=args.compile)
     # the preset, with explicit values winning
@@ -101,7 +101,7 @@ def stats_line(stats) -> str:
             f"tau {stats.tau:.2f} ({stats.target_forwards} target forwards){fuzzy}]")
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No loading progress bars or info logs from transformers: stderr is for our one-line errors."""
     from transformers.utils import logging as hf_logging
 

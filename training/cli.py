@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fsd_eagle.api import SpeculativeGenerator
-from fsd_eagle.cli import OneLineParser
+from fsd_eagle.cli import OneLineParser, quiet_transformers
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.errors import FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig
@@ -155,6 +155,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     recipe = recipe_of(args)
+    quiet_transformers()  # stderr: our progress bars and one-line errors, not transformers' loading bars
     out = Path(args.out)
     check_out(out, args.resume, args.overwrite)
     if not args.overwrite:
@@ -244,6 +245,7 @@ def rank(args: argparse.Namespace) -> int:
     convs = [c for path in args.data for c in read_conversations(Path(path))]
     if not convs:
         raise InputError("the conversation files hold no conversation")
+    quiet_transformers()
     model, tokenizer = load_target(args.target, torch.device("cpu"), torch.float32)
     tok_dir = str(Path(args.target) if args.target else Path(model.config._name_or_path))
     examples = tokenize_all(tokenizer, tok_dir, convs, args.max_len, args.workers)
