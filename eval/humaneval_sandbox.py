@@ -342,9 +342,10 @@ def program_globals(test: str) -> set[str]:
 
 
 def descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, state) of every process under ``root``, from /proc."""
+    """(pid, state) of every process under ``root``, from /proc (none where there is no /proc: the process
+    group kill is all there is)."""
     children: dict[int, list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit():
             continue
         try:
