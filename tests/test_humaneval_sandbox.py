@@ -11,6 +11,7 @@ import fcntl
 import gzip
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +58,7 @@ def scratch():
             except OSError:
                 pass
         time.sleep(0.02)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def holders(path: Path) -> list[int]:
