@@ -34,8 +34,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     from .sweep import DEFAULT_DIVERGENCES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_THRESHOLDS, METHODS, TASKS
 
-    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fsd_eagle.cli import OneLineParser
+
+    parser = OneLineParser(prog=_prog(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("sweep", help="accuracy / fidelity / speed over thresholds x divergences (resumable)")
@@ -133,12 +134,20 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a Ctrl-C at any moment (also while torch loads) ends with one line and status 130."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "speed":  # eval/speed.py parses its own options
-        from .speed import main as speed_main
+    try:
+        if argv and argv[0] == "speed":  # eval/speed.py parses its own options
+            from .speed import main as speed_main
 
-        return speed_main(argv[1:])
-    args = _parser().parse_args(argv)
+            return speed_main(argv[1:])
+        args = _parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except FSDError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if getattr(args, "workers", 1) < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -149,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:  # not the main thread
             pass
     try:
+        from fsd_eagle.cli import quiet_transformers
+
+        quiet_transformers()
         return {"sweep": run_sweep_command, "tau": run_tau_command, "table": run_table_command}[args.command](args, argv)
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -162,4 +174,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fsd_eagle.cli import exit_with
+
+    exit_with(main())

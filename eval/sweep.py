@@ -300,10 +300,10 @@ def _init_worker(opts: dict) -> None:
     import torch
 
     from fsd_eagle.api import SpeculativeGenerator
-    from fsd_eagle.cli import _quiet_transformers
+    from fsd_eagle.cli import quiet_transformers
 
     torch.manual_seed(opts["seed"])
-    _quiet_transformers()
+    quiet_transformers()
     gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], draft_model=opts.get("draft_model"),
                                     device=opts["device"], dtype=opts["dtype"], threads=opts.get("threads"))
     tree = opts.get("tree") or {}  # explicit --total-tokens / --depth / --tree-top-k beat the preset
@@ -528,6 +528,9 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
     meta.update(settings=settings, tasks=tasks, limit={t: limit_of.get(t) for t in tasks},
                 configs=[c.key for c in configs], threads=opts["threads"], jobs_total=total,
                 jobs_skipped=total - len(jobs))
+    if "humaneval" in tasks:  # what contained the candidate programs on this machine
+        from .humaneval_exec import protections
+        meta["humaneval_sandbox"] = protections()
     print(f"sweep: {len(configs)} configs x {sum(len(q) for q in questions.values())} questions = {total} jobs; "
           f"{total - len(jobs)} already in {out}, {len(jobs)} to run on {meta['device']} with {workers} worker(s)",
           file=sys.stderr)

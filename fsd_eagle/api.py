@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -12,7 +14,7 @@ from .attention import check_backend
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .decode import DecodeStats, RoundRunner, decode, round_attention
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
-from .errors import ConfigError, HeadMismatchError, InputError
+from .errors import BusyError, ConfigError, HeadMismatchError, InputError
 from .head import EagleHead, HeadConfig
 from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
 from .target import Target
@@ -64,6 +66,7 @@ class SpeculativeGenerator:
         self.compile = False  # compile the round with torch.compile before capture (GPUs; ~1 min once per setup)
         self.attention: str | None = None  # preferred tree attention of compiled rounds (see use_attention)
         self._runners: dict = {}
+        self._calls = _OneCall()  # the caches and round state serve one call at a time
         self.drafter: SlotDrafter | None = None
         if head is not None and draft_model is not None:
             raise ConfigError("use either a draft head or a draft model, not both")
@@ -121,7 +124,7 @@ class SpeculativeGenerator:
         from .trees_presets import preset_tree, with_overrides
 
         preset = preset_tree(self.target)
-        if draft_vocab is None and not self._has_ranking():
+        if draft_vocab is None and (not self._has_ranking() or preset.draft_vocab > self.target.vocab_size):
             preset = with_overrides(preset, draft_vocab=0)
         tree = with_overrides(preset, total_tokens, depth, top_k, draft_vocab)
         self._check_tree(tree)
@@ -143,15 +146,27 @@ class SpeculativeGenerator:
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:
             raise ConfigError(f"tree top_k {tree.top_k} exceeds the vocabulary size {self.target.vocab_size}")
+        if tree.draft_vocab > self.target.vocab_size:
+            raise ConfigError(f"tree draft_vocab {tree.draft_vocab} exceeds the vocabulary size "
+                              f"{self.target.vocab_size} (0 drafts among all tokens)")
+        room = self.target.max_positions
+        if tree.total_tokens + tree.depth + 2 >= room:
+            raise ConfigError(f"a tree of {tree.total_tokens} tokens and depth {tree.depth} does not fit the "
+                              f"model's context of {room} tokens")
         if self.drafter is not None:
             self.drafter.limits_vocab(tree.draft_vocab)  # refuses a draft vocabulary without a ranking
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt text (chat template applied when the tokenizer has one, unless chat=False), a list of chat
-        messages, or token ids."""
+        messages, or token ids. Every id the tokenizer gives must be one the model has (a tokenizer of
+        another model may give more)."""
+        return self._known_ids(self._encode(prompt, chat), "the tokenizer gave")
+
+    def _encode(self, prompt: Prompt, chat: bool | None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InputError("the prompt is empty")
+            _check_text(prompt, "the prompt")
             use_chat = chat if chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
             if use_chat:
                 return self._chat_ids([{"role": "user", "content": prompt}])
@@ -164,19 +179,29 @@ class SpeculativeGenerator:
         if all(isinstance(m, dict) for m in items):
             return self._chat_ids(items)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            bad = [t for t in items if not 0 <= t < self.target.vocab_size]
-            if bad:
-                raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
-            return items
+            return self._known_ids(items, "the prompt has")
         raise InputError("a prompt must be a string, a list of chat messages or a list of token ids")
 
+    def _known_ids(self, ids: list[int], source: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise InputError(f"{source} token id {bad[0]}, outside the model's vocabulary (size "
+                             f"{self.target.vocab_size})")
+        return ids
+
     def _chat_ids(self, messages: list[dict]) -> list[int]:
+        from jinja2.exceptions import TemplateError
+
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError("this tokenizer has no chat template: pass plain text with chat=False")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InputError(f"chat message {i} needs a 'role' and a 'content', both strings; got {m!r:.80}")
+            _check_text(m["content"], f"chat message {i}")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"bad chat messages: {e}") from None
+        except (KeyError, TypeError, ValueError, TemplateError) as e:
+            raise InputError(f"bad chat messages: {' '.join(str(e).split())}") from None
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -211,9 +236,14 @@ class SpeculativeGenerator:
                stop: str | Sequence[str] | None = None, chat: bool | None = None,
                autoregressive: bool = False, with_result: bool = False) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are accepted, then (only with ``with_result``) the GenerationResult
-        with the call's statistics; see ``generate`` for the other arguments."""
+        with the call's statistics; see ``generate`` for the other arguments.
+
+        The call starts at the first ``next()`` and holds the generator until the iterator is exhausted,
+        closed or garbage-collected: meanwhile another thread's call waits, and a call from this thread
+        raises BusyError (see ``generate``)."""
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
-        yield from (piece for piece in self._run(call) if with_result or isinstance(piece, str))
+        with self._calls.hold():
+            yield from (piece for piece in self._run(call) if with_result or isinstance(piece, str))
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
@@ -224,12 +254,17 @@ class SpeculativeGenerator:
         temperature 0 is greedy; otherwise top_p / top_k filter the target's distribution. ``fuzzy`` sets
         the FSD rule (default: exact). Generation stops at EOS, at any ``stop`` string (excluded from the
         text) or at max_new_tokens. ``autoregressive`` decodes without a drafter (the baseline).
+
+        One call runs at a time (the KV caches and round state are the generator's): a call from another
+        thread waits for the running one; a call while this thread's own ``stream`` iterator is unfinished
+        raises BusyError, since waiting for it would never end.
         """
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
         result = None
-        for piece in self._run(call):
-            if isinstance(piece, GenerationResult):
-                result = piece
+        with self._calls.hold():
+            for piece in self._run(call):
+                if isinstance(piece, GenerationResult):
+                    result = piece
         return result
 
     def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
@@ -280,6 +315,14 @@ class SpeculativeGenerator:
         yield GenerationResult(final, tokens, call.stats, reason)
 
 
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that is not Unicode (lone surrogates: e.g. bytes of a command line that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid UTF-8 text (position {e.start})") from None
+
+
 def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of a stop string."""
     return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
@@ -291,12 +334,37 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+class _OneCall:
+    """Lets one generation call at a time use a generator's caches: ``hold()`` waits while another thread's
+    call runs, and raises BusyError when the running call is this thread's own (an unfinished stream
+    iterator: waiting for it would never end)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread that started the running call
+
+    @contextmanager
+    def hold(self):
+        me = threading.get_ident()
+        if self._owner == me:  # only this thread sets its own id, so this read cannot race to a wrong True
+            raise BusyError("this generator is already running a call (an unfinished stream?); finish or close "
+                            "it first, or use another generator")
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
 _DEFAULT: SpeculativeGenerator | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
 def generate(prompt: Prompt, max_new_tokens: int = 256, **kwargs) -> GenerationResult:
     """One-call API on the default model and its shipped head (loaded once, on the best device)."""
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = SpeculativeGenerator.load()
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = SpeculativeGenerator.load()
     return _DEFAULT.generate(prompt, max_new_tokens, **kwargs)

@@ -1,4 +1,8 @@
-"""The ``fsd-eagle`` command line: ``generate`` (and, from a checkout, ``train`` and ``bench``)."""
+"""The ``fsd-eagle`` command line: ``generate`` (and, from a checkout, ``train`` and ``bench``).
+
+torch and transformers are imported inside ``main``'s handlers, so that bad input, and a Ctrl-C at any
+moment (while they load, too), end with one line on stderr: exit status 2 for an error, 130 when
+interrupted."""
 
 from __future__ import annotations
 
@@ -8,13 +12,22 @@ import os
 import runpy
 import sys
 
-from .attention import BACKENDS
-from .config import FuzzyConfig, parse_threshold
-from .divergence import DIVERGENCES
-from .errors import FSDError
+from .errors import FSDError, InputError
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (not a usage block), with exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {' '.join(message.split())} (see --help)\n")
 
 
 def _generate_parser(sub) -> None:
+    from .attention import BACKENDS
+    from .divergence import DIVERGENCES
+
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
     p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
@@ -52,10 +65,17 @@ def _generate_parser(sub) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from .api import SpeculativeGenerator
+    from .config import FuzzyConfig, SamplingConfig, parse_threshold
 
+    # Everything that can be checked without the model is checked before it loads.
     fuzzy = FuzzyConfig(threshold=parse_threshold(args.threshold), divergence=args.divergence,
                         mode=args.fuzzy_mode, support_top_k=args.support_top_k)
-    _quiet_transformers()
+    SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise InputError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {args.seed}")
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
                                     device=args.device, dtype=args.dtype, compile=args.compile, threads=args.threads)
     # the preset, with explicit values winning
@@ -84,7 +104,7 @@ def stats_line(stats) -> str:
             f"tau {stats.tau:.2f} ({stats.target_forwards} target forwards){fuzzy}]")
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No loading progress bars or info logs from transformers: stderr is for our one-line errors."""
     from transformers.utils import logging as hf_logging
 
@@ -105,26 +125,48 @@ def _checkout_module(name: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="fsd-eagle", description="EAGLE-2 + Fuzzy Speculative Decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _generate_parser(sub)
-    sub.add_parser("train", help="train a draft head (runs training/ from a checkout)", add_help=False)
-    sub.add_parser("bench", help="run benchmarks (runs eval/ from a checkout)", add_help=False)
-    if argv and argv[0] in ("train", "bench"):
-        try:
-            return _checkout_module({"train": "training", "bench": "eval"}[argv[0]], argv[1:])
-        except FSDError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    args = parser.parse_args(argv)
     try:
-        return run_generate(args)
+        if argv and argv[0] in ("train", "bench"):
+            return _checkout_module({"train": "training", "bench": "eval"}[argv[0]], argv[1:])
+        return run_generate(_parser().parse_args(argv))
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="fsd-eagle", description="EAGLE-2 + Fuzzy Speculative Decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    sub.add_parser("train", help="train a draft head (runs training/ from a checkout)", add_help=False)
+    sub.add_parser("bench", help="run benchmarks (runs eval/ from a checkout)", add_help=False)
+    return parser
+
+
+def exit_with(code: int):
+    """Leave the process with ``code``. After a Ctrl-C (130) the process leaves at once, stdio flushed:
+    CPython 3.11 otherwise ends it by SIGINT instead of the status when the interrupt struck code run by
+    exec() (e.g. while an import creates dataclasses), even though the interrupt was handled."""
+    if code == 130:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
+    sys.exit(code)
+
+
+def script() -> None:
+    """The ``fsd-eagle`` executable."""
+    exit_with(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script()

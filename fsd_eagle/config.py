@@ -23,8 +23,9 @@ class TreeConfig:
     top_k: children expanded per frontier node, and frontier width; top_k = 1 gives a chain.
     draft_vocab: draft only among the head's ``draft_vocab`` most frequent tokens (its token ranking; the
         draft vocabulary of FR-Spec / EAGLE-3): each draft level's lm_head and top-k then read that many rows
-        instead of the whole vocabulary. 0 (or >= the vocabulary): every token. Verification is unchanged, so
-        outputs stay exact; only which tokens can be proposed changes.
+        instead of the whole vocabulary. 0 (or the vocabulary's size): every token; a generator refuses more
+        than its vocabulary. Verification is unchanged, so outputs stay exact; only which tokens can be
+        proposed changes.
     """
 
     total_tokens: int = 60
@@ -73,11 +74,18 @@ class TreeConfig:
         return self.depth + 1 if self.drafts else 1
 
 
+# Sampling works on float32 logits: a temperature or top_p below float32's range rounds to 0 there and the
+# distribution becomes NaN, so values beyond these bounds (far past any useful setting) are refused.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+MIN_TOP_P = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the target's next token is chosen: temperature 0 is greedy (argmax), else sampling.
+    """How the target's next token is chosen: temperature 0 is greedy (argmax), else sampling with a
+    temperature in [1e-6, 1e6].
 
-    top_k = 0 and top_p = 1.0 disable those filters.
+    top_k = 0 and top_p = 1.0 disable those filters; top_p is at least 1e-6.
     """
 
     temperature: float = 0.0
@@ -85,10 +93,17 @@ class SamplingConfig:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        t, p = self.temperature, self.top_p
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE or t > MAX_TEMPERATURE:
+            raise ConfigError(f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, "
+                              f"got {t!r}")
+        if not _is_number(p) or not 0.0 < p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {p!r}")
+        if p < MIN_TOP_P:
+            raise ConfigError(f"top_p must be at least {MIN_TOP_P:g} (smaller keeps only the top token, as "
+                              f"top_k=1 does), got {p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0, got {self.top_k!r}")
 

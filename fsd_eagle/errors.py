@@ -19,3 +19,7 @@ class ModelLoadError(FSDError):
 
 class HeadMismatchError(ModelLoadError):
     """A draft head (or draft model) does not fit its target: hidden size or vocabulary differ."""
+
+
+class BusyError(FSDError, RuntimeError):
+    """A generator is asked for a second call while its own thread still runs one (an unfinished stream)."""

@@ -8,8 +8,8 @@ Layer 0 has no input_layernorm (as in EAGLE) and the head has no final norm.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-
 from pathlib import Path
 
 import torch
@@ -19,6 +19,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .attention import attend
+from .errors import ConfigError
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # what MLP implements
 
 
 @dataclass
@@ -37,6 +40,32 @@ class HeadConfig:
     max_position_embeddings: int = 8192
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     target: str = ""
+
+    def __post_init__(self) -> None:
+        """Refuse values a head cannot be built from (a head config is also read from a user's file), each
+        with one line: sizes must be whole numbers that divide as attention needs, eps a positive number,
+        the RoPE settings complete for their type."""
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "max_position_embeddings"):
+            _check_count(name, getattr(self, name))
+        if self.head_dim is not None:
+            _check_count("head_dim", self.head_dim)
+        elif self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"head hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                              f"{self.num_attention_heads} (and no head_dim is given)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"head num_attention_heads {self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_key_value_heads}")
+        eps = self.rms_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps <= 0:
+            raise ConfigError(f"head rms_norm_eps must be a number > 0, got {eps!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"head hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
+        if not isinstance(self.attention_bias, bool):
+            raise ConfigError(f"head attention_bias must be true or false, got {self.attention_bias!r}")
+        if not isinstance(self.target, str):
+            raise ConfigError(f"head target must be a string, got {self.target!r}")
+        _check_rope(self)
 
     @property
     def dim(self) -> int:
@@ -82,6 +111,34 @@ def target_rope_parameters(config) -> dict:
     if not rope:
         rope = {"rope_type": "default", "rope_theta": float(getattr(config, "rope_theta", 10000.0))}
     return {k: v for k, v in dict(rope).items() if v is not None}
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"head {name} must be an integer >= 1, got {value!r}")
+
+
+def _rope_config(cfg: HeadConfig) -> LlamaConfig:
+    """The config the head's rotary embedding is built from."""
+    return LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.dim,
+                       max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope_parameters))
+
+
+def _check_rope(cfg: HeadConfig) -> None:
+    """Build the rotary embedding on the meta device (no memory): transformers checks the RoPE fields (and
+    the attention shape) there."""
+    from huggingface_hub.errors import StrictDataclassError  # what transformers' config validators raise
+
+    rope = cfg.rope_parameters
+    if not isinstance(rope, dict) or not isinstance(rope.get("rope_type", "default"), str):
+        raise ConfigError(f"head rope_parameters must be an object with a rope_type, got {rope!r}")
+    try:
+        with torch.device("meta"):
+            LlamaRotaryEmbedding(_rope_config(cfg))
+    except (KeyError, ValueError, TypeError, AttributeError, ZeroDivisionError, StrictDataclassError) as e:
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e
+        message = " ".join(str(cause).strip("'\"").split())
+        raise ConfigError(f"head settings are not usable (rope_parameters {rope!r}): {message}") from None
 
 
 def _act_name(config) -> str:
@@ -230,10 +287,7 @@ class EagleHead(nn.Module):
         self.register_buffer("token_ranking", None, persistent=False)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
-        rope_cfg = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                               head_dim=cfg.dim, max_position_embeddings=cfg.max_position_embeddings,
-                               rope_parameters=dict(cfg.rope_parameters))
-        self.rotary = LlamaRotaryEmbedding(rope_cfg)
+        self.rotary = LlamaRotaryEmbedding(_rope_config(cfg))
 
     def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype) -> HeadCache:
         shape = (1, self.config.num_key_value_heads, max_len, self.config.dim)

@@ -112,14 +112,15 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                      trust_remote_code=False)
     except ImportError as e:
         raise ModelLoadError(f"converting {gguf.name} needs the gguf package ({e})") from None
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # save_pretrained refuses GGUF-quantized configs
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp)
@@ -127,23 +128,124 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tmp.replace(out) if not out.exists() else None
     if not (out / "model.safetensors").exists():
         raise ModelLoadError(f"could not write the converted model to {out}")
-    AutoConfig.from_pretrained(out)  # fail now, not later, if the folder is unusable
+    AutoConfig.from_pretrained(out, trust_remote_code=False)  # fail now, not later, if the folder is unusable
 
 
 def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer) from a local transformers folder, or the default model when path is None."""
+    """(model, tokenizer) from a local transformers folder, or the default model when path is None.
+
+    Nothing in the folder is trusted further than transformers' own model classes: a folder that asks to run
+    its own code (``auto_map``) is refused, and so are weights that do not match what config.json describes
+    (missing or unexpected tensors, other shapes; tied embeddings are fine), before the model is built where
+    the safetensors headers tell, otherwise from transformers' loading report."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = default_target_path() if path is None else Path(path)
     if not folder.is_dir() or not (folder / "config.json").exists():
         raise ModelLoadError(f"no model at {folder}: expected a folder with config.json and weights")
+    refuse_custom_code(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        check_target_weights(folder, config)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, attn_implementation="sdpa",
+                                                           trust_remote_code=False, output_loading_info=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-        raise ModelLoadError(f"cannot load the model at {folder}: {str(e).splitlines()[0]}") from None
+        raise ModelLoadError(f"cannot load the model at {folder}: {_first_line(e)}") from None
+    _check_loading_info(folder, info)
     return model.to(device).eval(), tokenizer
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def refuse_custom_code(folder: Path) -> None:
+    """Refuse a model folder whose config or tokenizer config names its own Python classes (``auto_map``):
+    transformers would ask on stdout whether to run that code, and run it when told yes."""
+    for name in ("config.json", "tokenizer_config.json"):
+        raw = _read_json(folder / name) if (folder / name).exists() else {}
+        if isinstance(raw, dict) and raw.get("auto_map"):
+            raise ModelLoadError(f"{folder / name} asks to run Python code from the model folder (auto_map); "
+                                 "fsd-eagle only loads models that transformers implements itself")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot load {path}: not valid JSON ({_first_line(e)})") from None
+
+
+def safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """Name -> shape of every tensor in a folder's safetensors weights (one file or an indexed set of shards),
+    read from the file headers without loading any tensor; None when the weights are not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = sorted(set(map(str, weight_map.values())))
+    elif (folder / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        return None
+    shapes = {}
+    for name in files:
+        try:
+            with safe_open(folder / name, "pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read the weights {folder / name}: {_first_line(e)}") from None
+    return shapes
+
+
+def check_target_weights(folder: Path, config) -> None:
+    """Compare the tensors config.json implies (the model built on the meta device: no memory) with the
+    safetensors headers, before anything is allocated: a shape that differs, or tensors the config needs and
+    the files lack, are refused. Files with tensors the model has no place for may use older names that
+    transformers renames while loading; they are judged by its loading report (``_check_loading_info``)."""
+    from transformers import AutoModelForCausalLM
+
+    stored = safetensors_shapes(folder)
+    if stored is None:
+        return
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, RuntimeError) as e:
+        raise ModelLoadError(f"{folder / 'config.json'} does not describe a usable model: {_first_line(e)}") from None
+    groups: dict[int, list[str]] = {}  # tied tensors (embeddings and lm_head) are one tensor under several names
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
+    for name, shape in expected.items():
+        if name in stored and stored[name] != shape:
+            raise ModelLoadError(f"{folder}: {name} is {list(stored[name])} in the weights but config.json makes it "
+                                 f"{list(shape)} (the config does not describe these weights)")
+    missing = sorted(names[0] for names in groups.values() if not any(n in stored for n in names))
+    unexpected = set(stored) - set(expected)
+    if missing and not unexpected:
+        raise ModelLoadError(f"{folder}: config.json needs {len(missing)} tensors the weights lack "
+                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+
+
+def _check_loading_info(folder: Path, info: dict) -> None:
+    """Refuse a loaded model that transformers reports as incomplete (weights it had to initialize at random)
+    or as not matching its files (tensors left unused, other shapes)."""
+    for key, what in (("missing_keys", "lacks weights for"), ("unexpected_keys", "holds weights the model has no place for:"),
+                      ("mismatched_keys", "holds wrongly shaped weights:")):
+        names = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ())
+        if names:
+            raise ModelLoadError(f"{folder} {what} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} "
+                                 f"({len(names)} tensors)")
+    if info.get("error_msgs"):
+        raise ModelLoadError(f"cannot load the model at {folder}: {_first_line(Exception(info['error_msgs'][0]))}")
 
 
 def default_head_path(target_name: str) -> Path | None:
@@ -155,38 +257,50 @@ def default_head_path(target_name: str) -> Path | None:
 def load_head(path: str | Path, target_config, device: torch.device, dtype: torch.dtype) -> EagleHead:
     """Load a draft head folder: our format (config.json with "format": "fsd-eagle" + model.safetensors) or
     the published EAGLE / EAGLE-2 layout (a Llama-style config.json + pytorch_model.bin or
-    model.safetensors with keys fc.*, layers.0.*). The head must fit the target."""
+    model.safetensors with keys fc.*, layers.0.*). The head must fit the target, and its config must describe
+    its weights: shapes are compared on a head built on the meta device, before the real one is allocated."""
     folder = Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise ModelLoadError(f"no draft head at {folder}: expected config.json and weights")
     try:
-        raw = json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{cfg_file} must hold a JSON object of head settings, not {type(raw).__name__}")
     state = _read_weights(folder)
     base = HeadConfig.for_target(target_config)
-    cfg = _head_config(raw, base)
     # The weights decide whether q/k/v have biases: EAGLE's configs call it "qkv_bias" (its Qwen2 heads) and
     # Qwen2 target configs have no attention_bias field, so neither config says it reliably.
-    cfg.attention_bias = "layers.0.self_attn.q_proj.bias" in state
+    cfg = _head_config({**raw, "attention_bias": "layers.0.self_attn.q_proj.bias" in state}, base, cfg_file)
     _check_fit(cfg, state, target_config, folder)
+    state = _matching_state(cfg, state, folder)
     head = EagleHead(cfg)
-    keys = set(head.state_dict())
-    unused = sorted(k for k in state if k not in keys and k.startswith(("fc.", "layers."))
+    head.load_state_dict(state)
+    head.token_ranking = _read_ranking(folder, cfg.vocab_size)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def _matching_state(cfg: HeadConfig, state: dict, folder: Path) -> dict:
+    """The weights a head of ``cfg`` takes from ``state`` (e.g. without EAGLE's optional embed_tokens.weight),
+    refused unless they are exactly its tensors with its shapes; checked on a head built on the meta device,
+    so a config that implies huge tensors allocates nothing."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in EagleHead(cfg).state_dict().items()}
+    unused = sorted(k for k in state if k not in expected and k.startswith(("fc.", "layers."))
                     and not k.endswith("inv_freq"))
     if unused:
         raise HeadMismatchError(f"draft head {folder} has weights this head cannot use: {', '.join(unused[:4])}")
-    state = {k: v for k, v in state.items() if k in keys}  # e.g. EAGLE's optional embed_tokens.weight
-    missing = keys - set(state)
+    missing = sorted(set(expected) - set(state))
     if missing:
-        raise ModelLoadError(f"draft head {folder} lacks weights: {', '.join(sorted(missing)[:4])}")
-    try:
-        head.load_state_dict(state)
-    except RuntimeError as e:
-        raise HeadMismatchError(f"draft head {folder} has wrongly shaped weights: {str(e).splitlines()[-1].strip()}") from None
-    head.token_ranking = _read_ranking(folder, cfg.vocab_size)
-    return head.to(device=device, dtype=dtype).eval()
+        raise ModelLoadError(f"draft head {folder} lacks weights: {', '.join(missing[:4])}")
+    wrong = [k for k in sorted(expected) if tuple(state[k].shape) != expected[k]]
+    if wrong:
+        k = wrong[0]
+        raise HeadMismatchError(f"draft head {folder} has wrongly shaped weights: {k} is {list(state[k].shape)}, "
+                                f"its config.json makes it {list(expected[k])}")
+    return {k: state[k] for k in expected}
 
 
 def _read_ranking(folder: Path, vocab_size: int) -> torch.Tensor | None:
@@ -207,7 +321,7 @@ def _read_ranking(folder: Path, vocab_size: int) -> torch.Tensor | None:
     return ranking.long()
 
 
-def _head_config(raw: dict, base: HeadConfig) -> HeadConfig:
+def _head_config(raw: dict, base: HeadConfig, path: Path) -> HeadConfig:
     """Read a head config; fields absent in EAGLE configs come from the target (RoPE always does)."""
     fields = dict(base.to_dict())
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
@@ -218,8 +332,8 @@ def _head_config(raw: dict, base: HeadConfig) -> HeadConfig:
         fields["rope_parameters"] = raw["rope_parameters"]
     try:
         return HeadConfig(**fields)
-    except TypeError as e:
-        raise ModelLoadError(f"bad draft head config: {e}") from None
+    except (TypeError, ConfigError) as e:
+        raise ModelLoadError(f"bad draft head config {path}: {e}") from None
 
 
 def _check_fit(cfg: HeadConfig, state: dict, target_config, folder: Path) -> None:
@@ -246,6 +360,12 @@ def head_weights_sha256(folder: Path | None) -> str | None:
 
 
 def _read_weights(folder: Path) -> dict:
+    """A head folder's tensors by name. pytorch_model.bin is unpickled with ``weights_only`` (a pickle that
+    holds anything but tensors and plain containers is refused, it could run code) and must be a name ->
+    tensor mapping."""
+    import pickle
+    import warnings
+
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -254,10 +374,19 @@ def _read_weights(folder: Path) -> dict:
         raise ModelLoadError(f"no weights in {folder}: expected model.safetensors or pytorch_model.bin")
     try:
         if path.suffix == ".safetensors":
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
+            state = load_file(path)
+        else:
+            with warnings.catch_warnings():  # torch warns about pickle protocols before refusing a file
+                warnings.simplefilter("ignore")
+                state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, IndexError, KeyError, TypeError, AttributeError):
+        raise ModelLoadError(f"{path} is not a plain weights file (a pickle of tensors only); refused, since "
+                             "other pickles can run code when loaded") from None
     except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as e:
-        raise ModelLoadError(f"cannot read draft head weights in {folder}: {str(e).splitlines()[0]}") from None
+        raise ModelLoadError(f"cannot read draft head weights in {folder}: {_first_line(e)}") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ModelLoadError(f"{path} does not hold weights (a mapping of names to tensors)")
+    return state
 
 
 def save_head(head: EagleHead, folder: str | Path, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> None:

@@ -533,7 +533,9 @@ def _limited(it: Iterator[Conversation], limit: int | None) -> Iterator[Conversa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.data", description=__doc__.split("\n\n")[0])
+    from fsd_eagle.cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m training.data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="write a jsonl.gz of training conversations and print stats")
     p.add_argument("--out", required=True, type=Path, help="output file (.jsonl.gz, or .jsonl)")
@@ -578,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
     for s in all_stats:
         print(s.summary())
@@ -587,4 +592,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fsd_eagle.cli import exit_with
+
+    exit_with(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -52,9 +53,13 @@ class Recipe:
         if not path.exists():
             raise InputError(f"recipe {path} not found")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise InputError(f"recipe {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise InputError(f"recipe {path} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise InputError(f"cannot read recipe {path}: {e.strerror or e}") from None
         if not isinstance(raw, dict):
             raise InputError(f"recipe {path} must be a JSON object of settings, not {type(raw).__name__}")
         known = {f.name for f in fields(cls)}
@@ -68,16 +73,72 @@ class Recipe:
         if "betas" in raw:
             raw["betas"] = tuple(raw["betas"])
         recipe = cls(**raw)
-        if recipe.distill_turns < 1:
-            raise InputError(f"recipe {path}: distill_turns must be at least 1, got {recipe.distill_turns}")
-        if recipe.unroll < 1:
-            raise InputError(f"recipe {path}: unroll must be at least 1, got {recipe.unroll}")
-        if recipe.answers not in ("both", "distilled", "original"):
-            raise InputError(f"recipe {path}: answers must be both, distilled or original, not {recipe.answers!r}")
+        recipe.validate(f"recipe {path}")
         return recipe
+
+    def validate(self, where: str = "recipe") -> None:
+        """Refuse values a run cannot use (before any data is read or distilled), with one line that names
+        ``where`` they come from: e.g. negative epochs, a zero checkpoint interval, a NaN learning rate."""
+        for f in fields(self):
+            problem = field_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise InputError(f"{where}: {f.name} {problem}")
+        if self.feature_weight == 0 and self.ce_weight == 0:
+            raise InputError(f"{where}: feature_weight and ce_weight are both 0 (nothing to learn)")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+MAX_INT = 2**31 - 1  # no count or size of a run comes near it; larger values are typos or overflow
+# name -> (least, most) for integers; seeds also feed torch.manual_seed (at most 2**63 - 1)
+INT_RANGES = {"distill_count": (0, MAX_INT), "distill_batch": (1, MAX_INT), "distill_prompt_tokens": (1, MAX_INT),
+              "distill_new_tokens": (1, MAX_INT), "distill_turns": (1, MAX_INT), "max_len": (2, MAX_INT),
+              "tokens_per_batch": (1, MAX_INT), "epochs": (1, MAX_INT), "max_steps": (0, MAX_INT),
+              "warmup_steps": (0, MAX_INT), "unroll": (1, 64), "val_prompts": (0, MAX_INT),
+              "val_new_tokens": (1, MAX_INT), "checkpoint_every": (1, MAX_INT), "seed": (0, 2**63 - 1)}
+# name -> (least, whether the least is allowed, most or None) for numbers; every one must be finite
+FLOAT_RANGES = {"lr": (0.0, True, None), "weight_decay": (0.0, True, None), "grad_clip": (0.0, False, None),
+                "feature_weight": (0.0, True, None), "ce_weight": (0.0, True, None), "noise": (0.0, True, None),
+                "unroll_decay": (0.0, True, None), "val_fraction": (0.0, True, 1.0)}
+ANSWERS = ("both", "distilled", "original")
+
+
+def field_problem(name: str, value) -> str | None:
+    """What is wrong with a recipe value ("must be at least 1, got 0"), or None when it is usable."""
+    if name in INT_RANGES:
+        least, most = INT_RANGES[name]
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"must be an integer, got {value!r}"
+        if value < least:
+            return f"must be at least {least}, got {value}"
+        if value > most:
+            return f"must be at most {most}, got {value}"
+    elif name in FLOAT_RANGES:
+        least, inclusive, most = FLOAT_RANGES[name]
+        if not _is_number(value) or not math.isfinite(value):
+            return f"must be a finite number, got {value!r}"
+        if value < least or (value == least and not inclusive):
+            return f"must be {'at least' if inclusive else 'more than'} {least:g}, got {value!r}"
+        if most is not None and value >= most:
+            return f"must be less than {most:g}, got {value!r}"
+    elif name == "betas":
+        if (not isinstance(value, (tuple, list)) or len(value) != 2
+                or not all(_is_number(b) and math.isfinite(b) and 0 <= b < 1 for b in value)):
+            return f"must be two numbers in [0, 1), got {value!r}"
+    elif name == "answers" and value not in ANSWERS:
+        return f"must be both, distilled or original, not {value!r}"
+    elif name == "distill" and not isinstance(value, bool):
+        return f"must be true or false, got {value!r}"
+    elif name in ("target", "init") and value is not None and not isinstance(value, str):
+        return f"must be a string or null, got {value!r}"
+    elif name == "data" and not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+        return f"must be a list of strings, got {value!r}"
+    return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
