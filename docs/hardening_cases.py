@@ -323,7 +323,7 @@ TRAIN_CASES = {
 
 
 def cases() -> list[dict]:
-    """The table: id, item (of issue #19), what is tried, and how it runs."""
+    """The table: id, item (the protection it checks, 1-7 as in docs/hardening.md), what is tried, and how it runs."""
     t, h = "{target}", "{head}"
     gen = ["generate", PROMPT, "--target", t, "--head", h, *GEN]
     out: list[dict] = [
