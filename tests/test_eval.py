@@ -468,21 +468,31 @@ def test_sweep_with_a_draft_model(folders, tmp_path):
 
 def test_speed_rows_are_annotated_as_they_come():
     """eval/speed.py's rows (also the partial file written after each row): speedup vs HF and vs our AR of the
-    same backend (HF against the graph AR), token agreement with those ARs' outputs."""
-    from eval.speed import annotate
+    same backend and temperature (HF against the graph AR), token agreement with those ARs' outputs (greedy
+    rows only), and a sampling row's speed over its method's greedy row."""
+    from eval.speed import _label, annotate
 
-    rows = [{"method": "hf_generate", "backend": "hf", "tokens_per_s": 10.0, "tau": 1.0},
-            {"method": "ar_graph", "backend": "graph", "tokens_per_s": 100.0, "tau": 1.0},
-            {"method": "ar_compiled", "backend": "compiled", "tokens_per_s": 200.0, "tau": 1.0},
-            {"method": "eagle2_compiled", "backend": "compiled", "tokens_per_s": 500.0, "tau": 3.14159}]
+    def row(method, backend, tps, tau=1.0, temperature=0.0):
+        r = {"method": method, "divergence": None, "threshold": None, "backend": backend, "temperature": temperature,
+             "top_p": 1.0, "tokens_per_s": tps, "tau": tau}
+        return r | {"name": _label(r)}
+
+    rows = [row("hf_generate", "hf", 10.0), row("ar", "graph", 100.0), row("ar", "compiled", 200.0),
+            row("eagle2", "compiled", 500.0, 3.14159), row("ar", "compiled", 190.0, temperature=0.7),
+            row("eagle2", "compiled", 400.0, 2.5, temperature=0.7)]
+    assert [r["name"] for r in rows] == ["hf_generate", "ar_graph", "ar_compiled", "eagle2_compiled",
+                                         "ar_compiled_t0.7", "eagle2_compiled_t0.7"]
     outputs = {"hf_generate": None, "ar_graph": [[1, 2, 3, 4]], "ar_compiled": [[1, 2, 9, 9]],
-               "eagle2_compiled": [[1, 2, 9, 4]]}
-    done = {r["method"]: r for r in annotate(rows, outputs, "GPU X")}
+               "eagle2_compiled": [[1, 2, 9, 4]], "ar_compiled_t0.7": [[5, 5]], "eagle2_compiled_t0.7": [[6, 6]]}
+    done = {r["name"]: r for r in annotate(rows, outputs, "GPU X")}
     e2 = done["eagle2_compiled"]
     assert (e2["speedup_vs_hf"], e2["speedup_vs_ar"], e2["tau"], e2["device"]) == (50.0, 2.5, 3.142, "GPU X")
     assert (e2["agreement_vs_ar"], e2["agreement_vs_ar_graph"]) == (0.75, 0.75)
     assert done["ar_compiled"]["agreement_vs_ar"] == 1.0 and done["ar_compiled"]["agreement_vs_ar_graph"] == 0.5
     assert done["hf_generate"]["speedup_vs_ar"] == 0.1 and "agreement_vs_ar" not in done["hf_generate"]
+    sampled = done["eagle2_compiled_t0.7"]
+    assert sampled["speedup_vs_ar"] == round(400 / 190, 3) and sampled["vs_greedy"] == 0.8
+    assert "agreement_vs_ar" not in sampled and done["ar_compiled_t0.7"]["vs_greedy"] == 0.95
     assert "speedup_vs_hf" not in rows[3]  # the measured rows are left as they were
     partial = annotate(rows[:1], {"hf_generate": None}, "GPU X")  # before any AR row
     assert partial[0]["speedup_vs_ar"] is None
@@ -498,7 +508,7 @@ def test_speed_on_the_cpu_measures_float32_and_prints_only_rows(folders, tmp_pat
                       "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["meta"]["dtype"] == "float32" and result["meta"]["threads"] == 1
-    rows = {r["method"]: r for r in result["rows"]}
-    assert rows["eagle2_graph"]["agreement_vs_ar"] == 1.0
+    rows = {r["name"]: r for r in result["rows"]}
+    assert rows["eagle2_graph"]["agreement_vs_ar"] == 1.0 and rows["eagle2_graph"]["mode"] == "eager"
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1].startswith("eagle2_graph") and "{" not in printed[-1]
