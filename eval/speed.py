@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -27,6 +28,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_name() -> str:
+    """What a CPU row ran on: architecture and the cores this process may use."""
+    return f"CPU ({platform.machine()}, {len(os.sched_getaffinity(0))} cores)"
 
 
 def _sync(device: torch.device) -> None:
@@ -352,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = ([("ar", None, None, dict(autoregressive=True))] if "ar" in methods else []) + \
         ([("eagle2", None, 0.0, {})] if "eagle2" in methods else []) + \
         ([("fsd", d, t, dict(fuzzy=FuzzyConfig(threshold=t, divergence=d))) for d, t in fsd_rows] if "fsd" in methods else [])
-    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     for backend in backends:
         gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
         for method, div, threshold, kwargs in ours:
