@@ -292,3 +292,23 @@ def test_property_random_logits(args: tuple[torch.Tensor, torch.Tensor, int]) ->
         out = divergence(name, t, d, support_top_k=k)
         check_sane(name, out)
         assert_matches(out, reference(name, t, d, k), tol=2e-5)
+
+
+def test_names_match_the_authors_kl_div_calls():
+    """docs/divergences.md: torch's kl_div(input=log b, target=a) is KL(a || b), so the FSD authors'
+    'kl_div' = kl_div(log p, q) is our kl, 'kl_div_reversed' = kl_div(log q, p) our reverse_kl, and
+    'js_div' = 0.5 kl_div(log p, m) + 0.5 kl_div(log q, m) our js_legacy (not js)."""
+    g = torch.Generator().manual_seed(0)
+    tl, dl = torch.randn(6, 11, generator=g) * 2, torch.randn(6, 11, generator=g) * 2
+    p, q = tl.softmax(-1), dl.softmax(-1)
+    m = 0.5 * (p + q)
+    kl_div = torch.nn.functional.kl_div
+    theirs = {
+        "kl": kl_div(p.log(), q, reduction="none").sum(-1),
+        "reverse_kl": kl_div(q.log(), p, reduction="none").sum(-1),
+        "js_legacy": (0.5 * kl_div(p.log(), m, reduction="none") + 0.5 * kl_div(q.log(), m, reduction="none")).sum(-1),
+        "tv": 0.5 * (p - q).abs().sum(-1),
+    }
+    for name, ref in theirs.items():
+        torch.testing.assert_close(divergence(name, tl, dl), ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(divergence("js", tl, dl), theirs["js_legacy"], rtol=1e-3)
