@@ -267,6 +267,13 @@ class SpeculativeGenerator:
                     result = piece
         return result
 
+    def round_runner(self, autoregressive: bool = False, temperature: float = 0.0, top_p: float = 1.0,
+                     top_k: int = 0, fuzzy: FuzzyConfig | None = None) -> RoundRunner:
+        """The round runner that ``generate`` with these arguments uses now (same tree, graph and compile
+        settings): for tools that time or inspect rounds (its ``graph``, ``prefills``, ``state``, ``mode``)."""
+        rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k), fuzzy or FuzzyConfig())
+        return self._runner(None if autoregressive else self.drafter, rule)
+
     def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
         """The reusable round runner (state buffers, captured graphs) for this drafter, tree and rule form:
         calls that differ only in temperature, top-p, top-k, threshold or seed share one. Its attention is

@@ -278,7 +278,7 @@ class RoundRunner:
             fn = functools.partial(prefill, *args)
             candidates = ([functools.partial(compiled_prefill(), *args)] if self.compile else []) + [fn]
             found = capture_first(candidates, self._prefill_state())
-            entry = self.prefills[size] = (ids, length, fn, found and found[1])  # None: this bucket runs eagerly
+            entry = self.prefills[size] = (ids, length, fn, found)  # found None: this bucket runs eagerly
         _, _, fn, captured = entry
         if captured is None:
             return fn()
@@ -330,10 +330,10 @@ class RoundRunner:
             self.compile, self.attention = compiled, backend
             self._apply_attention()
             fn = compiled_round() if compiled else run_round
-            found = capture_first([functools.partial(fn, self.target, self.drafter, self.state, self.tree_cfg,
-                                                     self.form)], self._round_state())
+            found = capture(functools.partial(fn, self.target, self.drafter, self.state, self.tree_cfg, self.form),
+                            self._round_state())
             if found is not None:
-                return found[1]
+                return found
         return None
 
     @property
@@ -362,12 +362,12 @@ class RoundRunner:
 
 
 def capture_first(candidates: list, state: list[torch.Tensor]):
-    """Capture the first of ``candidates`` (functions without arguments) that captures: (its index, (graph,
-    outputs)); None if none does (see ``capture``)."""
-    for i, fn in enumerate(candidates):
+    """(graph, outputs) of the first of ``candidates`` (functions without arguments) that captures; None if
+    none does (see ``capture``)."""
+    for fn in candidates:
         captured = capture(fn, state)
         if captured is not None:
-            return i, captured
+            return captured
     return None
 
 

@@ -151,6 +151,15 @@ def test_one_runner_serves_every_value_of_a_form(monkeypatch, tiny_llama):
                      RuleForm(greedy=False, fuzzy=True), RuleForm()]
 
 
+def test_round_runner_is_the_runner_generate_uses(tiny_llama):
+    gen = SpeculativeGenerator(tiny_llama, _Tok(), draft_model=noisy_copy(tiny_llama, 0.1), tree=TreeConfig(6, 2, 2))
+    r = gen.generate(list(range(3, 12)), 4, temperature=0.8, chat=False)
+    runner = gen.round_runner(temperature=0.3)  # another value of the same form
+    assert runner is gen.round_runner(temperature=0.8) and runner.form == RuleForm(greedy=False)
+    assert runner.mode == r.stats.mode and runner.drafter is not None
+    assert gen.round_runner(autoregressive=True).drafter is None
+
+
 # ------------------------------------------------- 3. lossless sampling through every execution mode
 
 

@@ -314,11 +314,11 @@ class Tuner:
         timed; stops after EOS (counted, as SpeculativeGenerator counts it)."""
         gen = self.gen
         if cfg.drafts:
-            gen.tree = cfg
+            gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab)
         drafter = gen.drafter if cfg.drafts else None
         rule = AcceptanceRule()
         # The generator's own reusable runner (a captured CUDA graph on GPUs), as generate() decodes.
-        runner = gen._runner(drafter, rule) if hasattr(gen, "_runner") else None
+        runner = gen.round_runner(autoregressive=not cfg.drafts)
         stats = DecodeStats()
         ids = torch.tensor(prompt, device=self.dev)
         tokens: list[int] = []

@@ -51,7 +51,7 @@ gen.cuda_graphs = False
 SAMPLING = dict(temperature=0.7, top_p=0.9, seed=1)
 for label, kwargs in (("greedy", {}), ("sampling", SAMPLING)):
     gen.generate(prompt, 32, **kwargs, **kw)
-    runner = list(gen._runners.values())[-1]
+    runner = gen.round_runner(**{k: v for k, v in kwargs.items() if k != "seed"})
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

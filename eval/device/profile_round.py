@@ -100,7 +100,7 @@ def main() -> None:
                 prefill.append(s.prefill_s * 1000)
                 per_round.append(1000 * (s.elapsed_s - s.prefill_s) / max(1, s.target_forwards - 1))
                 taus.append(s.tau)
-            runner = next(rn for k, rn in gen._runners.items() if k[0] == (not ar) and k[-1] == backend)
+            runner = gen.round_runner(autoregressive=ar)
             gen.generate(prompts[0], 1, autoregressive=ar)  # fresh state: replays below decode after a prefill
             prefills = {size: entry[3] for size, entry in runner.prefills.items()}
             row = {"backend": backend, "method": name, "warmup_s": round(warm, 1), "tokens_per_s": round(tokens / secs, 1),
