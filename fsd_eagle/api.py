@@ -248,8 +248,10 @@ class SpeculativeGenerator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, chat: bool | None = None,
-                 autoregressive: bool = False) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt``.
+                 autoregressive: bool = False, batch_size: int | None = None
+                 ) -> GenerationResult | list[GenerationResult]:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt``; given a list of prompts (strings, or
+        lists of messages or token ids), a list of results in input order (see ``generate_many``).
 
         temperature 0 is greedy; otherwise top_p / top_k filter the target's distribution. ``fuzzy`` sets
         the FSD rule (default: exact). Generation stops at EOS, at any ``stop`` string (excluded from the
@@ -259,6 +261,15 @@ class SpeculativeGenerator:
         thread waits for the running one; a call while this thread's own ``stream`` iterator is unfinished
         raises BusyError, since waiting for it would never end.
         """
+        if is_prompt_list(prompt):
+            results: list = [None] * len(prompt)
+            for i, r in self.generate_many(prompt, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                           fuzzy=fuzzy, seed=seed, stop=stop, chat=chat,
+                                           autoregressive=autoregressive, batch_size=batch_size):
+                results[i] = r
+            return results
+        if batch_size is not None:
+            raise InputError("batch_size applies to a list of prompts")
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
         result = None
         with self._calls.hold():
@@ -266,6 +277,50 @@ class SpeculativeGenerator:
                 if isinstance(piece, GenerationResult):
                     result = piece
         return result
+
+    def generate_many(self, prompts: Sequence[Prompt], max_new_tokens: int = 256, *, temperature: float = 0.0,
+                      top_p: float = 1.0, top_k: int = 0, fuzzy: FuzzyConfig | None = None,
+                      seed: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+                      chat: bool | None = None, autoregressive: bool = False,
+                      batch_size: int | None = None) -> Iterator[tuple[int, GenerationResult]]:
+        """Generate for many prompts; yield ``(index, result)`` as each prompt finishes (completion order,
+        ``index`` into ``prompts``). ``seed``: one for every prompt (each result then equals ``generate`` of
+        that prompt alone with that seed) or one per prompt. ``batch_size``: prompts decoded together
+        (default: all of them, up to 64). Every prompt is checked before the first one runs."""
+        calls = self._prepare_many(prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
+                                   autoregressive, batch_size)
+        with self._calls.hold():
+            for i, call in enumerate(calls):
+                result = None
+                for piece in self._run(call):
+                    if isinstance(piece, GenerationResult):
+                        result = piece
+                yield i, result
+
+    def _prepare_many(self, prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
+                      autoregressive, batch_size) -> list[_Call]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InputError("prompts must be a list of prompts")
+        prompts = list(prompts)
+        if not prompts:
+            raise InputError("the list of prompts is empty")
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size < 1):
+            raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)):
+            seeds = list(seed)
+            if len(seeds) != len(prompts):
+                raise InputError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        else:
+            seeds = [seed] * len(prompts)
+        calls = []
+        for i, (prompt, s) in enumerate(zip(prompts, seeds)):
+            try:
+                calls.append(self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, s, stop, chat,
+                                           autoregressive))
+            except InputError as e:
+                raise InputError(f"prompt {i}: {e}") from None
+        return calls
 
     def round_runner(self, autoregressive: bool = False, temperature: float = 0.0, top_p: float = 1.0,
                      top_k: int = 0, fuzzy: FuzzyConfig | None = None) -> RoundRunner:
@@ -320,6 +375,14 @@ class SpeculativeGenerator:
             yield final[len(text):]
         call.stats.new_tokens = len(tokens) + (reason == "eos")
         yield GenerationResult(final, tokens, call.stats, reason)
+
+
+def is_prompt_list(prompt) -> bool:
+    """Whether ``prompt`` is a list of prompts (items that are strings or lists) rather than one prompt (a
+    string, a list of chat messages or a list of token ids)."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    return all(isinstance(p, (str, list, tuple)) for p in prompt)
 
 
 def _check_text(text: str, what: str) -> None:
