@@ -12,11 +12,14 @@ import torch
 
 from .attention import check_backend
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
-from .decode import DecodeStats, RoundRunner, decode, round_attention
-from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
-from .errors import BusyError, ConfigError, HeadMismatchError, InputError
+from .decode import DecodeStats
+from .drafter import SlotDrafter
+from .engine import Engine
+from .errors import BusyError, ConfigError, InputError
 from .head import EagleHead, HeadConfig
 from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
+from .schedule import Request, Scheduler
+from .session import BATCH_BUCKETS, Plan, Session, batch_bucket
 from .target import Target
 from .verify import AcceptanceRule
 
@@ -55,32 +58,72 @@ class _Call:
 
 
 class SpeculativeGenerator:
-    """A target model, its tokenizer and an optional drafter (an EAGLE head or a small draft model)."""
+    """The text layer over an engine (a target model, its tokenizer and an optional drafter: an EAGLE head
+    or a small draft model): prompts in, text out. Each call runs on a session (fsd_eagle.session) made for
+    its plan (tree, rule form, execution mode, batch size) and kept for later calls with the same plan.
+
+    Execution settings are changed through methods that check them (``set_tree``, ``configure``,
+    ``use_attention``) and read through properties (``tree``, ``cuda_graphs``, ``compile``, ``attention``).
+    """
 
     def __init__(self, model, tokenizer, head: EagleHead | None = None, draft_model=None,
                  tree: TreeConfig = TreeConfig()) -> None:
-        self.target = Target(model)
-        self.tokenizer = tokenizer
-        self.tree = tree
-        self.cuda_graphs = True  # replay each round (and prefill) as a CUDA graph on GPUs, for every rule
-        self.compile = False  # compile the round with torch.compile before capture (GPUs; ~1 min once per setup)
-        self.attention: str | None = None  # preferred tree attention of compiled rounds (see use_attention)
-        self._runners: dict = {}
-        self._calls = _OneCall()  # the caches and round state serve one call at a time
-        self.drafter: SlotDrafter | None = None
-        if head is not None and draft_model is not None:
-            raise ConfigError("use either a draft head or a draft model, not both")
-        if head is not None:
-            self.drafter = EagleDrafter(head, self.target)
-        elif draft_model is not None:
-            if draft_model.get_output_embeddings().weight.shape[0] != self.target.vocab_size:
-                raise HeadMismatchError("the draft model's vocabulary differs from the target's")
-            self.drafter = ModelDrafter(Target(draft_model))
+        self.engine = Engine(model, tokenizer, head, draft_model)
+        # A drafter over ``target`` for tools that time drafting steps directly (decoding uses sessions).
+        self.drafter: SlotDrafter | None = self.engine.new_drafter(self.engine.target)
+        self._tree = tree
+        self._cuda_graphs = True  # replay rounds (and prefills) as CUDA graphs on GPUs, for every rule
+        self._compile = False  # compile rounds with torch.compile before capture (GPUs; ~1 min once per plan)
+        self._attention: str | None = None  # preferred tree attention of compiled rounds (see use_attention)
+        self._sessions: dict[Plan, Session] = {}
+        self._calls = _OneCall()  # the sessions serve one call at a time
         self._check_tree(tree)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        ids = {i for x in (eos, gen_eos) for i in (x if isinstance(x, (list, tuple)) else [x]) if i is not None}
-        self.eos_ids = frozenset(ids)
+
+    @property
+    def target(self) -> Target:
+        """The target (vocabulary, context, device, config; its own cache for tools)."""
+        return self.engine.target
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def eos_ids(self) -> frozenset:
+        return self.engine.eos_ids
+
+    @property
+    def tree(self) -> TreeConfig:
+        """The draft tree of every call (set with ``set_tree``)."""
+        return self._tree
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self._cuda_graphs
+
+    @property
+    def compile(self) -> bool:
+        return self._compile
+
+    @property
+    def attention(self) -> str | None:
+        return self._attention
+
+    def configure(self, *, cuda_graphs: bool | None = None, compile: bool | None = None) -> None:
+        """Execution mode of later calls on a GPU: ``cuda_graphs`` replays each round and prefill as a CUDA
+        graph (default on); ``compile`` compiles rounds with torch.compile before capture (about a minute
+        once per plan). Both are ignored on the CPU."""
+        for name, value in (("cuda_graphs", cuda_graphs), ("compile", compile)):
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if cuda_graphs is not None:
+            self._cuda_graphs = cuda_graphs
+        if compile is not None:
+            self._compile = compile
+
+    def release(self) -> None:
+        """Drop every session (their caches and captured graphs), e.g. to free GPU memory after a batch."""
+        self._sessions.clear()
 
     @classmethod
     def load(cls, target: str | Path | None = None, head: str | Path | None = None, draft_model: str | Path | None = None,
@@ -111,7 +154,7 @@ class SpeculativeGenerator:
             head_module = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(dev, dt).eval()
         draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
         gen = cls(model, tokenizer, head_module, draft, tree or TreeConfig())
-        gen.compile = compile
+        gen.configure(compile=compile)
         if tree is None:  # the tuned preset for this target and device type (trees/presets.json), else defaults
             gen.set_tree()
         return gen
@@ -128,7 +171,7 @@ class SpeculativeGenerator:
             preset = with_overrides(preset, draft_vocab=0)
         tree = with_overrides(preset, total_tokens, depth, top_k, draft_vocab)
         self._check_tree(tree)
-        self.tree = tree
+        self._tree = tree
         return tree
 
     def _has_ranking(self) -> bool:
@@ -141,7 +184,7 @@ class SpeculativeGenerator:
         see fsd_eagle.attention."""
         if backend is not None:
             check_backend(backend, self.target.config)
-        self.attention = backend
+        self._attention = backend
 
     def _check_tree(self, tree: TreeConfig) -> None:
         if tree.top_k > self.target.vocab_size:
@@ -243,7 +286,9 @@ class SpeculativeGenerator:
         raises BusyError (see ``generate``)."""
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
         with self._calls.hold():
-            yield from (piece for piece in self._run(call) if with_result or isinstance(piece, str))
+            for _, piece in self._decode([call], 1, streaming=True):
+                if with_result or isinstance(piece, str):
+                    yield piece
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
@@ -271,12 +316,8 @@ class SpeculativeGenerator:
         if batch_size is not None:
             raise InputError("batch_size applies to a list of prompts")
         call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
-        result = None
         with self._calls.hold():
-            for piece in self._run(call):
-                if isinstance(piece, GenerationResult):
-                    result = piece
-        return result
+            return next(piece for _, piece in self._decode([call], 1) if isinstance(piece, GenerationResult))
 
     def generate_many(self, prompts: Sequence[Prompt], max_new_tokens: int = 256, *, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, fuzzy: FuzzyConfig | None = None,
@@ -284,18 +325,18 @@ class SpeculativeGenerator:
                       chat: bool | None = None, autoregressive: bool = False,
                       batch_size: int | None = None) -> Iterator[tuple[int, GenerationResult]]:
         """Generate for many prompts; yield ``(index, result)`` as each prompt finishes (completion order,
-        ``index`` into ``prompts``). ``seed``: one for every prompt (each result then equals ``generate`` of
-        that prompt alone with that seed) or one per prompt. ``batch_size``: prompts decoded together
-        (default: all of them, up to 64). Every prompt is checked before the first one runs."""
+        ``index`` into ``prompts``). Up to ``batch_size`` prompts (default: all, at most 64) decode together,
+        one target forward per round for all of them; a prompt that finishes frees its row for the next one
+        waiting. ``seed``: one for every prompt (each result then equals ``generate`` of that prompt alone
+        with that seed, up to floating-point differences between batch shapes) or one per prompt. Every
+        prompt is checked before the first one runs."""
         calls = self._prepare_many(prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
                                    autoregressive, batch_size)
+        rows = min(batch_size or BATCH_BUCKETS[-1], len(calls), BATCH_BUCKETS[-1])
         with self._calls.hold():
-            for i, call in enumerate(calls):
-                result = None
-                for piece in self._run(call):
-                    if isinstance(piece, GenerationResult):
-                        result = piece
-                yield i, result
+            for i, piece in self._decode(calls, rows):
+                if isinstance(piece, GenerationResult):
+                    yield i, piece
 
     def _prepare_many(self, prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
                       autoregressive, batch_size) -> list[_Call]:
@@ -322,59 +363,95 @@ class SpeculativeGenerator:
                 raise InputError(f"prompt {i}: {e}") from None
         return calls
 
-    def round_runner(self, autoregressive: bool = False, temperature: float = 0.0, top_p: float = 1.0,
-                     top_k: int = 0, fuzzy: FuzzyConfig | None = None) -> RoundRunner:
-        """The round runner that ``generate`` with these arguments uses now (same tree, graph and compile
-        settings): for tools that time or inspect rounds (its ``graph``, ``prefills``, ``state``, ``mode``)."""
+    def session(self, autoregressive: bool = False, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                fuzzy: FuzzyConfig | None = None, batch: int = 1) -> Session:
+        """The session that a call with these arguments uses now (same tree, graph and compile settings;
+        ``batch`` rows, rounded up to a bucket): for tools that time or inspect rounds (its ``graph``,
+        ``prefills``, ``state``, ``mode``, ``launch``)."""
         rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k), fuzzy or FuzzyConfig())
-        return self._runner(None if autoregressive else self.drafter, rule)
+        return self._session(not autoregressive, rule, batch_bucket(batch))
 
-    def _runner(self, drafter: SlotDrafter | None, rule: AcceptanceRule) -> RoundRunner:
-        """The reusable round runner (state buffers, captured graphs) for this drafter, tree and rule form:
-        calls that differ only in temperature, top-p, top-k, threshold or seed share one. Its attention is
-        chosen for what it runs (``round_attention``: FlexAttention only in compiled rounds)."""
-        drafter = drafter if self.tree.drafts else None
-        form = rule.form if drafter is not None else rule.form.exact()
-        graphs = self.cuda_graphs and self.target.device.type == "cuda"
-        compiled = self.compile and graphs
-        backend = round_attention(compiled, self.target.config, self.attention)
-        key = (drafter is not None, self.tree, form, graphs, compiled, backend)
-        if key not in self._runners:
-            self._runners[key] = RoundRunner(self.target, drafter, self.tree, form, use_graph=graphs,
-                                             compile=compiled, attention=backend)
-        return self._runners[key]
+    def _session(self, drafting: bool, rule: AcceptanceRule, batch: int) -> Session:
+        """The kept session of this plan: calls that differ only in temperature, top-p, top-k, threshold,
+        seed or prompts share one (and its graphs)."""
+        drafting = drafting and self.engine.has_drafter and self.tree.drafts
+        form = rule.form if drafting else rule.form.exact()
+        graphs = self._cuda_graphs and self.target.device.type == "cuda"
+        plan = Plan(self.tree, form, drafting, graphs, self._compile and graphs, self._attention, batch)
+        if plan not in self._sessions:
+            self._sessions[plan] = Session(self.engine, plan)
+        return self._sessions[plan]
 
-    def _run(self, call: _Call) -> Iterator[str | GenerationResult]:
-        drafter = None if call.autoregressive else self.drafter
-        tokens: list[int] = []
-        text, reason = "", "max_new_tokens"
-        for new in decode(self.target, drafter, call.prompt_ids, call.max_new_tokens, self.tree, call.rule,
-                          call.seed, call.stats, self._runner(drafter, call.rule)):
-            for tok in new:
-                if tok in self.eos_ids:
-                    reason = "eos"
-                    break
-                tokens.append(tok)
-            full = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = _first_stop(full, call.stop)
-            if cut is not None:
-                full, reason = full[:cut], "stop_string"
-            if reason != "max_new_tokens":
+    def _decode(self, calls: list[_Call], rows: int, streaming: bool = False
+                ) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Decode ``calls`` (one rule form) on ``rows`` rows: yield (index, text piece) as text is accepted
+        (with ``streaming``) and (index, GenerationResult) when a call ends."""
+        session = self._session(not calls[0].autoregressive, calls[0].rule, batch_bucket(rows))
+        requests = [Request(c.prompt_ids, c.max_new_tokens, c.rule, c.seed, c.stats) for c in calls]
+        outputs = [_Output(self.tokenizer, self.eos_ids, c, streaming) for c in calls]
+        scheduler = Scheduler(session, requests, rows)
+        for i, tokens in scheduler.run():
+            out = outputs[i]
+            piece = out.add(tokens)
+            if piece:
+                yield i, piece
+            if out.ended:
+                scheduler.finish(i)
+                piece, result = out.finish()
+                if piece and streaming:
+                    yield i, piece
+                yield i, result
+
+
+class _Output:
+    """The text of one call as its tokens arrive: ends it at EOS, a stop string or its token budget, and
+    (``streaming``) gives the text that can be shown so far, holding back a tail that may still become a
+    stop string. Without streaming and stop strings, text is decoded once, at the end."""
+
+    def __init__(self, tokenizer, eos_ids: frozenset, call: _Call, streaming: bool) -> None:
+        self.tokenizer, self.eos_ids, self.call = tokenizer, eos_ids, call
+        self.decodes = streaming or bool(call.stop)
+        self.tokens: list[int] = []
+        self.text = ""  # shown so far
+        self.reason = "max_new_tokens"
+        self.received = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.reason != "max_new_tokens" or self.received >= self.call.max_new_tokens
+
+    def add(self, new: list[int]) -> str:
+        """Take a round's tokens; returns the text that may be shown now ("" if none)."""
+        self.received += len(new)
+        for tok in new:
+            if tok in self.eos_ids:
+                self.reason = "eos"
                 break
-            # Hold back a tail that may still become the start of a stop string (cut from the final text).
-            visible = full[: len(full) - _stop_prefix_len(full, call.stop)]
-            if len(visible) > len(text) and not visible.endswith("\ufffd"):
-                yield visible[len(text):]
-                text = visible
-        if reason == "max_new_tokens" and call.clipped:
-            reason = "context"
-        full = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = _first_stop(full, call.stop)
+            self.tokens.append(tok)
+        if not self.decodes:
+            return ""
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if _first_stop(full, self.call.stop) is not None:
+            self.reason = "stop_string"
+        if self.ended:
+            return ""  # the rest comes with finish()
+        visible = full[: len(full) - _stop_prefix_len(full, self.call.stop)]
+        if len(visible) > len(self.text) and not visible.endswith("\ufffd"):
+            piece, self.text = visible[len(self.text):], visible
+            return piece
+        return ""
+
+    def finish(self) -> tuple[str, GenerationResult]:
+        """The text not yet shown and the call's result."""
+        reason = "context" if self.reason == "max_new_tokens" and self.call.clipped else self.reason
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = _first_stop(full, self.call.stop)
         final = full[:cut] if cut is not None else full
-        if len(final) > len(text):
-            yield final[len(text):]
-        call.stats.new_tokens = len(tokens) + (reason == "eos")
-        yield GenerationResult(final, tokens, call.stats, reason)
+        piece = final[len(self.text):] if len(final) > len(self.text) else ""
+        self.text = final
+        stats = self.call.stats
+        stats.new_tokens = len(self.tokens) + (reason == "eos")
+        return piece, GenerationResult(final, self.tokens, stats, reason)
 
 
 def is_prompt_list(prompt) -> bool:

@@ -42,12 +42,12 @@ def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype):
         return _block_mask(mask)
     neg = torch.finfo(dtype).min
     dense = mask.dense()
-    return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg)[None, None]
+    return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg).unsqueeze(1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
-    """q ``[B, H_q, n, d]``, k/v ``[B, H_kv, S, d]`` (the whole cache; B = 1), mask from ``prepare_mask``, or
-    a boolean ``[n, S]`` (True = attend; the head's unrolled training steps). Returns ``[B, H_q, n, d]``."""
+    """q ``[B, H_q, n, d]``, k/v ``[B, H_kv, S, d]`` (the whole cache), mask from ``prepare_mask``, or a
+    boolean ``[n, S]`` (True = attend; the head's unrolled training steps). Returns ``[B, H_q, n, d]``."""
     groups = q.shape[1] // k.shape[1]
     if not isinstance(mask, torch.Tensor):  # a BlockMask
         from torch.nn.attention.flex_attention import flex_attention
@@ -78,24 +78,24 @@ def _block_mask(mask: SlotMask):
     builds a mask per draft level, and reductions and sorts over dense block flags cost ~8 kernels each."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    (n, m), s = mask.anc.shape, mask.max_len
+    (b, n, m), s = mask.anc.shape, mask.max_len
     if s % FLEX_BLOCK:
         raise ConfigError(f"a FlexAttention cache needs a multiple of {FLEX_BLOCK} slots, got {s}")
     nq, nk = whole_blocks(n) // FLEX_BLOCK, s // FLEX_BLOCK
     cols = torch.arange(nk, dtype=torch.int32, device=mask.anc.device)
-    full = mask.prefix // FLEX_BLOCK if mask.window is None else torch.zeros_like(mask.prefix)
+    full = mask.prefix // FLEX_BLOCK if mask.window is None else torch.zeros_like(mask.prefix)  # [B]
     last = (mask.prefix + m - 1) // FLEX_BLOCK
 
     def lists(count: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """count [1, 1, nq] and indices [1, 1, nq, nk]: blocks first, first + 1, ... (in range)."""
-        index = (cols + first).clamp(max=nk - 1).to(torch.int32)
-        return (count.to(torch.int32).expand(1, 1, nq).contiguous(),
-                index.expand(1, 1, nq, nk).contiguous())
+        """count [B, 1, nq] and indices [B, 1, nq, nk]: blocks first, first + 1, ... (in range) per row."""
+        index = (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
+        return (count.to(torch.int32).view(b, 1, 1).expand(b, 1, nq).contiguous(),
+                index.view(b, 1, 1, nk).expand(b, 1, nq, nk).contiguous())
 
     dense = mask.dense(nq * FLEX_BLOCK)  # whole query blocks: the kernel evaluates whole tiles
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return dense[q_idx, kv_idx]
+    def mask_mod(batch, h, q_idx, kv_idx):
+        return dense[batch, q_idx, kv_idx]
 
     return BlockMask.from_kv_blocks(*lists(last - full + 1, full), *lists(full, torch.zeros_like(full)),
                                     BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(n, s),

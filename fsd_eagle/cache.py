@@ -14,52 +14,54 @@ from transformers.cache_utils import Cache
 
 
 class SlotCache(Cache):
-    """A transformers ``Cache`` over one preallocated buffer ``[2, layers, 1, H_kv, S, D]`` (keys, values),
-    seen by the model as a ``[1, H_kv, S, D]`` pair per layer; one buffer lets ``compact`` move every
-    layer's rows in a single gather and scatter instead of two per layer.
+    """A transformers ``Cache`` over one preallocated buffer ``[2, layers, B, H_kv, S, D]`` (keys, values) for
+    B rows (prompts decoded together), seen by the model as a ``[B, H_kv, S, D]`` pair per layer; one buffer
+    lets ``compact`` move every layer's rows in a single gather and scatter instead of two per layer.
 
     Compiled, a write indexes the whole buffer (``index_put_`` with an index tensor per dimension), never a
     per-layer view of it: inductor turns writes to views of a buffer that the same graph also changes whole
     (``compact``) into copies of the buffer (on an H100: two copies of the 47 MB cache per round, 62 us).
-    Eagerly, two ``index_copy_`` on the views launch fewer kernels than that broadcast ``index_put_`` (the
-    graph-only AR on an H100: 299.3 tokens/s with them at commit 1976c92, 278.6 with ``index_put_`` at b887f10).
+    Eagerly, a ``scatter_`` per view launches fewer kernels than that broadcast ``index_put_``.
 
-    ``write_slots`` (a fixed ``[S]`` buffer: its first n entries are set in place before a forward of n
-    tokens) says where ``update`` writes the new keys and values; attention always reads all S rows, the
-    caller's mask hides the unused ones.
+    ``write_slots`` (a fixed ``[B, S]`` buffer: its first n columns are set in place before a forward of n
+    tokens per row) says where ``update`` writes each row's new keys and values; attention always reads all
+    S slots, the caller's mask hides the unused ones.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, batch: int = 1) -> None:
         # Cache.__init__ differs between transformers 5.x releases; we own every method the models call.
         self.layers = []
-        self.max_len = max_len
-        self.kv = torch.zeros((2, num_layers, 1, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.max_len, self.batch = max_len, batch
+        self.kv = torch.zeros((2, num_layers, batch, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
         self.keys = list(self.kv[0].unbind(0))
         self.values = list(self.kv[1].unbind(0))
-        self.write_slots = torch.zeros(max_len, dtype=torch.long, device=device)
-        # Index tensors of a layer's write (keys and values of every head; slots come last): [2, 1, 1] each.
-        zero = torch.zeros((1, 1, 1), dtype=torch.long, device=device)
-        self._kv_index = torch.arange(2, device=device).view(2, 1, 1)
-        self._layer_index = [zero + i for i in range(num_layers)]
-        self._head_index = torch.arange(num_kv_heads, device=device).view(1, num_kv_heads, 1)
-        self._zero = zero
+        self.write_slots = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        # Index tensors of a layer's write (keys and values, every row and head; slots come last).
+        self._kv_index = torch.arange(2, device=device).view(2, 1, 1, 1)
+        self._layer_index = [torch.full((1, 1, 1, 1), i, dtype=torch.long, device=device) for i in range(num_layers)]
+        self._row_index = torch.arange(batch, device=device).view(1, batch, 1, 1)
+        self._head_index = torch.arange(num_kv_heads, device=device).view(1, 1, num_kv_heads, 1)
 
     def set_write_slots(self, slots: torch.Tensor) -> None:
-        """Where the next forward's n = len(slots) tokens go (in place: a captured graph keeps the address)."""
-        self.write_slots[: slots.shape[0]].copy_(slots)
+        """Where the next forward's n tokens of each row go, ``[B, n]`` (in place: a captured graph keeps the
+        address)."""
+        self.write_slots[:, : slots.shape[1]].copy_(slots)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a layer's new keys and values ``[1, H_kv, n, D]`` to the n write slots; returns the layer's
-        whole cache pair."""
-        slots = self.write_slots[: key_states.shape[2]]
+        """Write a layer's new keys and values ``[B, H_kv, n, D]`` to each row's n write slots; returns the
+        layer's whole cache pair ``[B, H_kv, S, D]``."""
+        b, h, n, d = key_states.shape
+        slots = self.write_slots[:, :n]
         if torch.compiler.is_compiling():
-            index = (self._kv_index, self._layer_index[layer_idx], self._zero, self._head_index, slots.view(1, 1, -1))
-            self.kv.index_put_(index, torch.stack((key_states[0], value_states[0])))
+            index = (self._kv_index, self._layer_index[layer_idx], self._row_index, self._head_index,
+                     slots.view(1, b, 1, n))
+            self.kv.index_put_(index, torch.stack((key_states, value_states)))
         else:
-            self.keys[layer_idx].index_copy_(2, slots, key_states)
-            self.values[layer_idx].index_copy_(2, slots, value_states)
+            where = slots.view(b, 1, n, 1).expand(b, h, n, d)
+            self.keys[layer_idx].scatter_(2, where, key_states)
+            self.values[layer_idx].scatter_(2, where, value_states)
         return self.kv[0, layer_idx], self.kv[1, layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -79,21 +81,29 @@ class SlotCache(Cache):
         return len(self.keys)
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy rows ``src`` to rows ``dst`` in every layer (gather first, so overlaps are safe)."""
-        self.kv.index_copy_(4, dst, self.kv.index_select(4, src))
+        """Copy each row's slots ``src`` ``[B, P]`` to its slots ``dst`` ``[B, P]`` in every layer (gather
+        first, so overlaps are safe)."""
+        two, layers, b, h, _, d = self.kv.shape
+        shape = (two, layers, b, h, src.shape[1], d)
+        moved = self.kv.gather(4, src.view(1, 1, b, 1, -1, 1).expand(shape))
+        self.kv.scatter_(4, dst.view(1, 1, b, 1, -1, 1).expand(shape), moved)
+
+    def load_row(self, row: torch.Tensor, other: "SlotCache") -> None:
+        """Row ``row`` (a ``[1]`` index tensor) takes every slot of ``other``'s single row (same size)."""
+        self.kv.index_copy_(2, row, other.kv)
 
 
 @dataclass(frozen=True)
 class SlotMask:
-    """What n query rows see in a cache of S slots: every committed slot (< ``prefix``, a 0-dim tensor) and,
-    among the m slots after it, slot prefix + j where ``anc[i, j]`` (``[n, m]`` bool: its ancestors and
-    itself in a tree, the earlier rows of a chain).
+    """What n query rows of each of B batch rows see in a cache of S slots: every committed slot (<
+    ``prefix[b]``, ``[B]``) and, among the m slots after it, slot prefix + j where ``anc[b, i, j]`` (``[B, n,
+    m]`` bool: its ancestors and itself in a tree, the earlier rows of a chain).
 
-    For a sliding window (``windowed``): ``key_positions`` ``[m]`` are the positions of the tokens in those m
-    slots (default: the rows' own positions, when the rows are those m tokens), a committed slot's token has
-    position = slot, and row i at ``positions[i]`` sees keys less than ``window`` positions behind it.
+    For a sliding window (``windowed``): ``key_positions`` ``[B, m]`` are the positions of the tokens in those
+    m slots (default: the rows' own positions, when the rows are those m tokens), a committed slot's token
+    has position = slot, and row i at ``positions[b, i]`` sees keys less than ``window`` positions behind it.
 
-    Structured rather than a dense ``[n, S]`` tensor so that FlexAttention gets its block lists by
+    Structured rather than a dense ``[B, n, S]`` tensor so that FlexAttention gets its block lists by
     arithmetic on ``prefix`` instead of reductions and sorts over the dense mask.
     """
 
@@ -105,24 +115,26 @@ class SlotMask:
     window: int | None = None
 
     def windowed(self, positions: torch.Tensor, window: int) -> "SlotMask":
-        """This mask for rows at ``positions`` ``[n]`` under a sliding window."""
+        """This mask for rows at ``positions`` ``[B, n]`` under a sliding window."""
         keys = positions if self.key_positions is None else self.key_positions
         return SlotMask(self.prefix, self.anc, self.max_len, keys, positions, window)
 
     def dense(self, rows: int | None = None) -> torch.Tensor:
-        """The mask as a boolean ``[rows, S]`` tensor (default rows: n; rows past n see the prefix only).
+        """The mask as a boolean ``[B, rows, S]`` tensor (default rows: n; rows past n see the prefix only).
 
         Built by writing ``anc`` into the new slots' columns: a written buffer, which inductor keeps as a
         tensor for FlexAttention's mask lookup (its CPU kernel rejects the mask as inlined arithmetic)."""
-        (n, m), dev = self.anc.shape, self.anc.device
+        (b, n, m), dev = self.anc.shape, self.anc.device
         rows = rows or n
-        anc = torch.cat([self.anc, self.anc.new_zeros(rows - n, m)]) if rows > n else self.anc
+        anc = torch.cat([self.anc, self.anc.new_zeros(b, rows - n, m)], 1) if rows > n else self.anc
         cols = torch.arange(self.max_len, device=dev)
-        new = self.prefix + torch.arange(m, device=dev)
-        mask = (cols < self.prefix).expand(rows, self.max_len).clone()
-        mask.index_copy_(1, new, anc)
+        new = self.prefix.unsqueeze(1) + torch.arange(m, device=dev)  # [B, m]
+        mask = (cols < self.prefix.unsqueeze(1)).unsqueeze(1).expand(b, rows, self.max_len).clone()
+        mask.scatter_(2, new.unsqueeze(1).expand(b, rows, m), anc)
         if self.window is None:
             return mask
-        key_pos = cols.index_copy(0, new, self.key_positions)
-        pos = torch.cat([self.positions, self.positions[-1:].expand(rows - n)]) if rows > n else self.positions
-        return mask & (pos.unsqueeze(1) - key_pos.unsqueeze(0) < self.window)
+        key_pos = cols.expand(b, self.max_len).scatter(1, new, self.key_positions)
+        pos = self.positions
+        if rows > n:
+            pos = torch.cat([pos, pos[:, -1:].expand(b, rows - n)], 1)
+        return mask & (pos.unsqueeze(2) - key_pos.unsqueeze(1) < self.window)

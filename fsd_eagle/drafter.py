@@ -2,8 +2,8 @@
 ``ModelDrafter`` runs a separate small causal LM that shares the target's tokenizer (classic speculative
 decoding; with top_k = 1 its tree is a chain of gamma = depth tokens).
 
-Both keep their own slot KV cache: a committed prefix of ``length`` rows, then a scratch area for the tree
-levels. ``prefill`` and ``commit`` consume what the target just accepted and return the root's draft
+Both keep their own slot KV cache for B batch rows: per row a committed prefix of ``length[b]`` slots,
+then a scratch area for the tree levels. ``prefill`` and ``commit`` consume what the target just accepted and return the root's draft
 logits and state; ``step`` drafts one tree level (the ``Drafter`` protocol of fsd_eagle.tree). Draft
 logits cover the draft vocabulary (``use_vocab``, from TreeConfig.draft_vocab): all tokens by default.
 """
@@ -25,7 +25,8 @@ from .target import Target
 
 @dataclass
 class DraftRoot:
-    """The draft's view after the committed prefix: logits ``[V]`` of q_root and its state ``[s]``."""
+    """The draft's view after each row's committed prefix: logits ``[B, V_d]`` of q_root and its state
+    ``[B, s]``."""
 
     logits: torch.Tensor
     state: torch.Tensor
@@ -35,7 +36,7 @@ class SlotDrafter:
     """Shared bookkeeping; subclasses define ``_forward`` (rows -> states), ``lm`` (the model whose lm_head
     turns states into logits) and ``ranking`` (token ids by frequency, for a draft vocabulary; or None)."""
 
-    length: torch.Tensor  # committed rows (0-dim long tensor)
+    length: torch.Tensor  # committed slots per batch row (``[B]`` long tensor)
     max_len: int
     slides = False  # whether the drafter attends through a sliding window (then masks carry key positions)
     lm: Target
@@ -84,31 +85,35 @@ class SlotDrafter:
 
     @torch.no_grad()
     def commit(self, next_tokens: torch.Tensor, features: torch.Tensor, n_accepted: torch.Tensor,
-               backend: str | None = None) -> DraftRoot:
-        """Consume the accepted path: next_tokens ``[P]`` (the token after each path node: accepted drafts,
-        then the bonus), the target's features at the path nodes ``[P, h]``; only the first ``n_accepted``
-        rows count (the rest is padding written to scratch slots). ``backend``: of attention (default: the
-        target's)."""
-        n = next_tokens.shape[0]
+               backend: str | None = None, grow: torch.Tensor | None = None) -> DraftRoot:
+        """Consume each row's accepted path: next_tokens ``[B, P]`` (the token after each path node: accepted
+        drafts, then the bonus), the target's features at the path nodes ``[B, P, h]``; only the first
+        ``n_accepted[b]`` entries count (the rest is padding written to scratch slots). The lengths grow by
+        ``grow`` (default: ``n_accepted``; 0 for a row that is not decoding). ``backend``: of attention
+        (default: the target's)."""
+        b, n = next_tokens.shape
         idx = torch.arange(n, device=next_tokens.device)
-        slots = self.length + idx
-        mask = SlotMask(self.length, idx.unsqueeze(1) >= idx.unsqueeze(0), self.max_len)
-        states = self._forward(next_tokens, features, slots, slots, mask, backend)
+        slots = self.length.unsqueeze(1) + idx
+        causal = (idx.unsqueeze(1) >= idx.unsqueeze(0)).expand(b, n, n)
+        states = self._forward(next_tokens, features, slots, slots, SlotMask(self.length, causal, self.max_len),
+                               backend)
         state = pick(states, n_accepted - 1)
-        self.length += n_accepted
-        return DraftRoot(self.logits(state[None])[0], state)
+        self.length += n_accepted if grow is None else grow
+        return DraftRoot(self.logits(state), state)
 
     @torch.no_grad()
     def step(self, depth: int, tokens: torch.Tensor, states: torch.Tensor, rows_anc: torch.Tensor):
-        """One tree level: rows go to scratch slots level-major after the prefix, at position length + depth - 1."""
-        k = tokens.shape[0]
-        offsets = torch.arange(rows_anc.shape[1], device=tokens.device)
-        area = self.length + offsets
+        """One tree level of every batch row: frontier ``[B, k]`` goes to scratch slots level-major after the
+        row's prefix, at position length + depth - 1."""
+        k = tokens.shape[1]
+        offsets = torch.arange(rows_anc.shape[2], device=tokens.device)
+        start = self.length.unsqueeze(1)
+        area = start + offsets
         # Level d's rows sit at position length + d - 1 (read only under a sliding window).
-        keys = self.length + offsets // k if self.slides else None
+        keys = start + offsets // k if self.slides else None
         mask = SlotMask(self.length, rows_anc, self.max_len, key_positions=keys)
-        positions = (self.length + depth - 1).expand(k)
-        out = self._forward(tokens, states, positions, area[(depth - 1) * k: depth * k], mask)
+        positions = (start + depth - 1).expand(-1, k)
+        out = self._forward(tokens, states, positions, area[:, (depth - 1) * k: depth * k], mask)
         return self.logits(out), out
 
 
@@ -119,17 +124,25 @@ class EagleDrafter(SlotDrafter):
     def __init__(self, head: EagleHead, target: Target) -> None:
         super().__init__()
         self.head, self.target = head, target
-        self.length = torch.zeros((), dtype=torch.long, device=target.device)
+        self.length = torch.zeros(1, dtype=torch.long, device=target.device)
         self.cache = None
         self.max_len = 0
 
-    def allocate(self, max_len: int, tree: TreeConfig) -> None:
+    def allocate(self, max_len: int, tree: TreeConfig, batch: int = 1) -> None:
         size = whole_blocks(max_len + (tree.depth - 1) * tree.top_k)
-        if self.cache is None or self.max_len < size:
-            self.cache = self.head.new_cache(size, self.target.device, self.target.dtype)
+        if self.cache is None or self.max_len < size or self.cache.keys.shape[0] != batch:
+            self.cache = self.head.new_cache(size, self.target.device, self.target.dtype, batch)
             self.max_len = size
+        if self.length.shape[0] != batch:
+            self.length = torch.zeros(batch, dtype=torch.long, device=self.target.device)
         self.length.zero_()
         self.use_vocab(tree.draft_vocab)
+
+    def load_row(self, row: torch.Tensor, other: "EagleDrafter") -> None:
+        """Row ``row`` (``[1]`` index tensor) takes the cache and length of ``other``'s single row."""
+        self.cache.keys.index_copy_(0, row, other.cache.keys)
+        self.cache.values.index_copy_(0, row, other.cache.values)
+        self.length.index_copy_(0, row, other.length)
 
     @property
     def lm(self) -> Target:
@@ -142,15 +155,18 @@ class EagleDrafter(SlotDrafter):
     def _forward(self, tokens, states, positions, slots, mask, backend=None):
         embeds = self.target.embed(tokens)
         mask = prepare_mask(mask, backend or self.target.attention, embeds.dtype)
-        return self.head(embeds[None], states[None].to(embeds.dtype), positions[None], self.cache, slots, mask)[0]
+        return self.head(embeds, states.to(embeds.dtype), positions, self.cache, slots, mask)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, features: torch.Tensor, n: torch.Tensor | None = None) -> DraftRoot:
-        """tokens ``[L + 1]`` (the prompt and the target's first token), the target's features ``[L, h]``.
-        With ``n`` (0-dim tensor), only the first n + 1 tokens and n features are real (a padded prompt)."""
-        n = torch.tensor(features.shape[0], device=features.device) if n is None else n
+        """Fill the cache from slot 0: tokens ``[B, L + 1]`` (the prompts and the target's first tokens), the
+        target's features ``[B, L, h]``. With ``n`` (``[B]``), only the first n + 1 tokens and n features of a row are real (padded
+        prompts)."""
+        if n is None:
+            n = torch.full((features.shape[0],), features.shape[1], device=features.device)
+        self.length.zero_()
         with no_cudnn():
-            return self.commit(tokens[1:], features, n, "sdpa")
+            return self.commit(tokens[:, 1:], features, n, "sdpa")
 
 
 class ModelDrafter(SlotDrafter):
@@ -160,13 +176,19 @@ class ModelDrafter(SlotDrafter):
         super().__init__()
         self.model = model
         self.ranking = ranking  # token ids by frequency, for a draft vocabulary (optional)
-        self.length = model.length
         self.max_len = 0
 
-    def allocate(self, max_len: int, tree: TreeConfig) -> None:
-        self.model.allocate(max_len + 1 + (tree.depth - 1) * tree.top_k)
+    @property
+    def length(self) -> torch.Tensor:
+        return self.model.length
+
+    def allocate(self, max_len: int, tree: TreeConfig, batch: int = 1) -> None:
+        self.model.allocate(max_len + 1 + (tree.depth - 1) * tree.top_k, batch)
         self.max_len = self.model.cache.max_len
         self.use_vocab(tree.draft_vocab)
+
+    def load_row(self, row: torch.Tensor, other: "ModelDrafter") -> None:
+        self.model.load_row(row, other.model)
 
     @property
     def lm(self) -> Target:
@@ -188,7 +210,8 @@ class ModelDrafter(SlotDrafter):
         """See EagleDrafter.prefill (the target's features are not used)."""
         f = self.model.prefill(tokens)
         if n is None:
-            return DraftRoot(self.logits(f[-1:])[0], f[-1])
-        self.model.length.copy_(n + 1)
-        state = pick(f, n)
-        return DraftRoot(self.logits(state[None])[0], state)
+            state = f[:, -1]
+        else:
+            self.model.length.copy_(n + 1)
+            state = pick(f, n)
+        return DraftRoot(self.logits(state), state)

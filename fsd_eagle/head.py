@@ -197,8 +197,8 @@ class Attention(nn.Module):
         """x ``[B, n, h]``; cos/sin ``[B, n, d]``. Returns (output ``[B, n, h]``, (k, v) of these rows
         ``[B, H_kv, n, d]``).
 
-        - With a cache (B = 1): keys/values go to ``slots`` and ``mask`` (from ``attention.prepare_mask``)
-          says what each row sees.
+        - With a cache: keys/values go to each batch row's ``slots`` ``[B, n]`` and ``mask`` (from
+          ``attention.prepare_mask``) says what each row sees.
         - Training (no cache, ``mask`` None): causal attention over the n rows, or with ``context`` (an
           unrolled step) attention over the earlier steps' keys followed by these rows' own, as
           ``context.allowed`` says.
@@ -210,8 +210,9 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.n_kv, self.dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if kv is not None:
-            kv.keys.index_copy_(2, slots, k)
-            kv.values.index_copy_(2, slots, v)
+            where = slots.view(b, 1, n, 1).expand(b, self.n_kv, n, self.dim)
+            kv.keys.scatter_(2, where, k)
+            kv.values.scatter_(2, where, v)
             out = attend(q, kv.keys, kv.values, mask)
         elif context is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads > self.n_kv)
@@ -265,7 +266,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class HeadCache:
-    """The head's own KV rows ``[1, H_kv, S, d]`` (same slot layout as the target's cache)."""
+    """The head's own KV rows ``[B, H_kv, S, d]`` (same slot layout as the target's cache)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -289,8 +290,8 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.rotary = LlamaRotaryEmbedding(_rope_config(cfg))
 
-    def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype) -> HeadCache:
-        shape = (1, self.config.num_key_value_heads, max_len, self.config.dim)
+    def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype, batch: int = 1) -> HeadCache:
+        shape = (batch, self.config.num_key_value_heads, max_len, self.config.dim)
         return HeadCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -298,7 +299,7 @@ class EagleHead(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """embeds e(x_{t+1}) and features f_t ``[B, n, h]``, positions ``[B, n]`` -> predicted f_{t+1} ``[B, n, h]``.
 
-        With a cache: keys/values go to ``slots`` ``[n]`` (B = 1) and ``mask`` (``[n, S]`` prepared by
+        With a cache: keys/values go to ``slots`` ``[B, n]`` and ``mask`` (``[B, n, S]`` prepared by
         ``attention.prepare_mask``) says what each row sees. Without (training): causal attention over the n rows.
         """
         x = self.fc(torch.cat((embeds, features), dim=-1))

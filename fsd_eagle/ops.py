@@ -4,5 +4,7 @@ import torch
 
 
 def pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-    """``x[i]`` for a 0-dim index tensor, without the host sync that Python indexing with a tensor does."""
-    return x.index_select(0, i.reshape(1)).squeeze(0)
+    """``x[b, i[b]]`` for every row b: x ``[B, n, ...]``, i ``[B]`` -> ``[B, ...]``, as one gather (Python
+    indexing with a tensor would sync with the host)."""
+    index = i.view((-1, 1) + (1,) * (x.dim() - 2)).expand((x.shape[0], 1) + tuple(x.shape[2:]))
+    return x.gather(1, index).squeeze(1)

@@ -41,44 +41,59 @@ def mix32(x):
 
 @dataclass
 class RandomStream:
-    """A call's random numbers. key ``[2]`` int64: two 32-bit words derived from the seed; counter: 0-dim
-    int64, the step (prefill 0, then one per round). Both are updated in place only, so that a captured
-    graph that reads them stays valid across calls."""
+    """The random numbers of B rows, each a call of its own. key ``[B, 2]`` int64: two 32-bit words derived
+    from the row's seed; counter ``[B]`` int64: the row's step (prefill 0, then one per round). Both are
+    updated in place only, so that a captured graph that reads them stays valid across calls. A row's
+    numbers depend on its key and step only: the same seed gives the same numbers whatever the batch."""
 
     key: torch.Tensor
     counter: torch.Tensor
 
     @classmethod
-    def create(cls, device: torch.device | str, seed: int = 0) -> "RandomStream":
-        stream = cls(torch.zeros(2, dtype=torch.long, device=device), torch.zeros((), dtype=torch.long, device=device))
+    def create(cls, device: torch.device | str, seed: int = 0, batch: int = 1) -> "RandomStream":
+        stream = cls(torch.zeros(batch, 2, dtype=torch.long, device=device),
+                     torch.zeros(batch, dtype=torch.long, device=device))
         stream.reseed(seed)
         return stream
 
-    def reseed(self, seed: int) -> None:
-        """Restart at step 0 with the key of ``seed`` (any Python int; it is taken modulo 2^64)."""
+    @staticmethod
+    def key_words(seed: int) -> tuple[int, int]:
+        """The two key words of ``seed`` (any Python int; it is taken modulo 2^64)."""
         seed %= 1 << 64
         lo, hi = mix32(seed & _MASK32), mix32((seed >> 32) ^ _GOLDEN)
-        self.key[0].fill_(lo)  # fills: no host-to-device copy, which would wait for the device
-        self.key[1].fill_(mix32(hi ^ lo))
-        self.counter.zero_()
+        return lo, mix32(hi ^ lo)
+
+    def reseed(self, seed: int, row: int | None = None) -> None:
+        """Restart ``row`` (default: every row) at step 0 with the key of ``seed``."""
+        lo, hi = self.key_words(seed)
+        rows = slice(None) if row is None else row
+        self.key[rows, 0].fill_(lo)  # fills: no host-to-device copy, which would wait for the device
+        self.key[rows, 1].fill_(hi)
+        self.counter[rows].zero_()
 
     def advance(self) -> None:
-        """Next step (in place: captured graphs advance the stream as they replay)."""
+        """Next step of every row (in place: captured graphs advance the stream as they replay)."""
         self.counter.add_(1)
 
+    def load_row(self, row: torch.Tensor, other: "RandomStream") -> None:
+        """Row ``row`` (``[1]`` index tensor) takes the key and step of ``other``'s single row."""
+        self.key.index_copy_(0, row, other.key)
+        self.counter.index_copy_(0, row, other.counter)
+
     def bits(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
-        """Random 32-bit words ``shape`` (int64 in [0, 2^32)) of draw ``draw`` at the current step."""
+        """Random 32-bit words ``[B, *shape]`` (int64 in [0, 2^32)) of draw ``draw`` at each row's step."""
         step = self.counter & _MASK32
-        k1 = mix32(self.key[0] ^ _mul32(step, _GOLDEN) ^ draw)
-        k2 = mix32(self.key[1] ^ k1)
+        k1 = mix32(self.key[:, 0] ^ _mul32(step, _GOLDEN) ^ draw)
+        k2 = mix32(self.key[:, 1] ^ k1)
         n = 1
         for s in shape:
             n *= s
         index = torch.arange(n, device=self.key.device).reshape(shape)
-        return mix32(mix32(index ^ k1) ^ k2)
+        per_row = (-1,) + (1,) * len(shape)
+        return mix32(mix32(index ^ k1.view(per_row)) ^ k2.view(per_row))
 
     def uniform(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
-        """float32 uniforms in (0, 1) ``shape``: 24 random bits, offset by half a step (never 0 or 1)."""
+        """float32 uniforms in (0, 1) ``[B, *shape]``: 24 random bits, offset by half a step (never 0 or 1)."""
         return ((self.bits(shape, draw) >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 

@@ -38,9 +38,9 @@ class RuleForm:
 
 @dataclass
 class RuleValues:
-    """The numbers of a rule as 0-dim float32 device tensors, set in place per call (``set``), so that
-    captured graphs and compiled rounds read them by address: temperature, top_p, top_k (0: no top-k) and
-    the FSD threshold T (may be +inf)."""
+    """The numbers of a rule for B rows as ``[B]`` float32 device tensors, set in place per call (``set``,
+    ``set_row``), so that captured graphs and compiled rounds read them by address: temperature, top_p,
+    top_k (0: no top-k) and the FSD threshold T (may be +inf)."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor
@@ -48,23 +48,30 @@ class RuleValues:
     threshold: torch.Tensor
 
     @classmethod
-    def create(cls, device: torch.device | str) -> "RuleValues":
-        return cls(*(torch.zeros((), dtype=torch.float32, device=device) for _ in range(4)))
+    def create(cls, device: torch.device | str, batch: int = 1) -> "RuleValues":
+        return cls(*(torch.zeros(batch, dtype=torch.float32, device=device) for _ in range(4)))
 
-    def set(self, rule) -> None:
-        """Copy an AcceptanceRule's numbers in (no host sync: fills of device tensors)."""
+    def set(self, rule, row: int | None = None) -> None:
+        """Copy an AcceptanceRule's numbers into ``row`` (default: every row); fills of device tensors, no
+        host sync."""
+        rows = slice(None) if row is None else row
         s = rule.sampling
-        self.temperature.fill_(s.temperature if s.temperature > 0 else 1.0)
-        self.top_p.fill_(s.top_p)
-        self.top_k.fill_(s.top_k)
-        self.threshold.fill_(rule.fuzzy.threshold)
+        self.temperature[rows].fill_(s.temperature if s.temperature > 0 else 1.0)
+        self.top_p[rows].fill_(s.top_p)
+        self.top_k[rows].fill_(s.top_k)
+        self.threshold[rows].fill_(rule.fuzzy.threshold)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.temperature, self.top_p, self.top_k, self.threshold]
 
 
+def per_row(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A ``[B]`` value shaped to broadcast against ``like`` ``[B, ...]``."""
+    return value.view((-1,) + (1,) * (like.dim() - 1))
+
+
 def process_logits(logits: torch.Tensor, form: RuleForm, values: RuleValues) -> torch.Tensor:
-    """``[..., V]`` float32 logits -> logits of the distribution actually sampled (filtered entries are -inf).
+    """``[B, ..., V]`` float32 logits (row b under values' row b) -> logits of the distribution actually sampled (filtered entries are -inf).
 
     Greedy forms return the logits unchanged (argmax is unaffected by temperature, top-k and top-p).
     Filtering sorts each row once: top-k keeps the tokens at least as likely as the k-th (ties kept), then
@@ -73,29 +80,30 @@ def process_logits(logits: torch.Tensor, form: RuleForm, values: RuleValues) -> 
     """
     if form.greedy:
         return logits
-    logits = logits / values.temperature
+    logits = logits / per_row(values.temperature, logits)
     if not form.filtered:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = values.top_k.long().clamp(min=1, max=logits.shape[-1]) - 1
+    top_k, top_p = per_row(values.top_k, logits), per_row(values.top_p, logits)
+    k = top_k.long().clamp(min=1, max=logits.shape[-1]) - 1
     kth = sorted_logits.gather(-1, k.expand(*logits.shape[:-1], 1))
-    keep_k = (values.top_k <= 0) | (sorted_logits >= kth)
+    keep_k = (top_k <= 0) | (sorted_logits >= kth)
     probs = sorted_logits.masked_fill(~keep_k, float("-inf")).softmax(-1)
-    drop_sorted = ~keep_k | ((probs.cumsum(-1) - probs >= values.top_p) & (values.top_p < 1.0))
+    drop_sorted = ~keep_k | ((probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0))
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 
 def sample(probs: torch.Tensor, rng: RandomStream, draw: int) -> torch.Tensor:
-    """Draw one index per row of ``[..., V]`` (unnormalized, non-negative) weights without a host sync:
-    argmax of w / E with E ~ Exp(1) (the exponential race) picks i with probability w_i / sum w. E = -log U
-    with U from ``rng``'s draw ``draw`` at its current step."""
-    race = -torch.log(rng.uniform(tuple(probs.shape), draw))
+    """Draw one index per distribution of ``[B, ..., V]`` (unnormalized, non-negative) weights without a host
+    sync: argmax of w / E with E ~ Exp(1) (the exponential race) picks i with probability w_i / sum w.
+    E = -log U with U from ``rng``'s draw ``draw`` at each row's current step. Returns ``[B, ...]``."""
+    race = -torch.log(rng.uniform(tuple(probs.shape[1:]), draw))
     return (probs.float() / race).argmax(dim=-1)
 
 
 def choose(logits: torch.Tensor, form: RuleForm, values: RuleValues, rng: RandomStream | None) -> torch.Tensor:
-    """The target's next token from raw logits ``[..., V]``: argmax when greedy, else a sample of p."""
+    """The target's next token from raw logits ``[B, ..., V]``: argmax when greedy, else a sample of p."""
     if form.greedy:
         return logits.argmax(dim=-1)
     return sample(process_logits(logits, form, values).softmax(-1), rng, DRAW_TOKEN)

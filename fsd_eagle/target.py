@@ -1,8 +1,9 @@
 """Target adapter: any stock transformers causal LM, run over prefixes and token trees with a slot KV cache.
 
-Data flow per round: ``forward(tokens, depths, anc)`` writes the n tree tokens after the committed prefix
-and returns their features f (last hidden state after the final norm, the lm_head input); the caller picks
-the accepted path, then ``commit(path, n_accepted)`` compacts it into the prefix.
+Data flow per round, for B rows at once (each with its own prefix length): ``forward_tree(tokens, depths,
+anc)`` writes each row's n tree tokens after its committed prefix and returns their features f (last hidden
+state after the final norm, the lm_head input); the caller picks the accepted paths, then ``commit(path,
+n_accepted)`` compacts each into its row's prefix.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ class Target:
     """Wraps an ``AutoModelForCausalLM`` without changing its modeling code.
 
     Attributes: ``model``, ``config`` (the text config), ``hidden_size``, ``vocab_size``, ``device``,
-    ``dtype``, ``length`` (0-dim long tensor on the device: committed prefix length L), ``attention`` (the
-    tree-attention backend, see fsd_eagle.attention; set with ``use_attention``).
+    ``dtype``, ``cache`` (the slot cache of B rows, from ``allocate``), ``length`` (``[B]`` long tensor on the
+    device: each row's committed prefix length L), ``attention`` (the tree-attention backend, see
+    fsd_eagle.attention; set with ``use_attention``). A Target is the model bound to one cache: every session
+    makes its own over the shared weights.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -45,7 +48,7 @@ class Target:
         params = inspect.signature(self.base.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.cache: SlotCache | None = None
-        self.length = torch.zeros((), dtype=torch.long, device=self.device)
+        self.length = torch.zeros(1, dtype=torch.long, device=self.device)
         self.attention = "sdpa"
 
     def use_attention(self, backend: str) -> None:
@@ -73,28 +76,40 @@ class Target:
     def head_dim(self) -> int:
         return int(getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads)
 
-    def allocate(self, max_len: int) -> None:
-        """(Re)allocate the cache for ``max_len`` slots (rounded up to whole FlexAttention blocks, so that either
-        backend can use it) only when it is too small; reset the length."""
+    @property
+    def batch(self) -> int:
+        return self.length.shape[0]
+
+    def allocate(self, max_len: int, batch: int = 1) -> None:
+        """(Re)allocate the cache for ``batch`` rows of ``max_len`` slots (rounded up to whole FlexAttention
+        blocks, so that either backend can use it) only when it is too small or of another batch; reset the
+        lengths."""
         max_len = attention.whole_blocks(max_len)
-        if self.cache is None or self.cache.max_len < max_len:
+        if self.cache is None or self.cache.max_len < max_len or self.cache.batch != batch:
             self.cache = SlotCache(self.config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_len,
-                                   self.dtype, self.device)
+                                   self.dtype, self.device, batch)
+        if self.length.shape[0] != batch:
+            self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.length.zero_()
+
+    def load_row(self, row: torch.Tensor, other: "Target") -> None:
+        """Row ``row`` (``[1]`` index tensor) takes the cache and length of ``other``'s single row."""
+        self.cache.load_row(row, other.cache)
+        self.length.index_copy_(0, row, other.length)
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: SlotMask,
             backend: str | None = None) -> torch.Tensor:
-        """One forward over new tokens. tokens, positions, slots: ``[n]``; mask: what each row sees;
-        ``backend`` of attention (default: ``self.attention``). Returns f ``[n, h]``."""
+        """One forward over new tokens. tokens, positions, slots: ``[B, n]``; mask: what each row sees;
+        ``backend`` of attention (default: ``self.attention``). Returns f ``[B, n, h]``."""
         cache = self.cache
         if cache is None:
             raise ConfigError("Target.allocate(max_len) must be called before a forward")
         cache.set_write_slots(slots)
         masks = self._masks(mask, positions, backend or self.attention)
-        out = self.base(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), attention_mask=masks,
+        out = self.base(input_ids=tokens, position_ids=positions, attention_mask=masks,
                         use_cache=True, **{self.cache_kwarg: cache})
-        return out.last_hidden_state[0]
+        return out.last_hidden_state
 
     def _masks(self, mask: SlotMask, positions: torch.Tensor, backend: str):
         """The mask(s) in the attention backend's form; sliding-window layers get the window on key
@@ -109,8 +124,8 @@ class Target:
 
     def logits(self, features: torch.Tensor, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """lm_head (with the model's final soft-capping, if any) in float32: ``[n, h] -> [n, V]``; with
-        ``weight`` ``[V', h]`` (and ``bias``), those rows of it instead (a draft vocabulary): ``[n, V']``."""
+        """lm_head (with the model's final soft-capping, if any) in float32: ``[..., h] -> [..., V]``; with
+        ``weight`` ``[V', h]`` (and ``bias``), those rows of it instead (a draft vocabulary): ``[..., V']``."""
         logits = (self.lm_head(features) if weight is None else F.linear(features, weight, bias)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -118,10 +133,12 @@ class Target:
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run the prompt ``[L]`` into an empty cache; returns f ``[L, h]``; length becomes L."""
-        n = tokens.shape[0]
-        pos = torch.arange(n, device=self.device)
-        causal = pos.unsqueeze(1) >= pos.unsqueeze(0)
+        """Run prompts ``[B, L]`` (one length) into the cache from slot 0 (whatever it held); returns f ``[B, L,
+        h]``; lengths become L."""
+        b, n = tokens.shape
+        self.length.zero_()
+        pos = torch.arange(n, device=self.device).expand(b, n)
+        causal = (pos.unsqueeze(2) >= pos.unsqueeze(1))
         with attention.no_cudnn():
             features = self.run(tokens, pos, pos, SlotMask(self.length, causal, self.cache.max_len), "sdpa")
         self.length.fill_(n)
@@ -129,16 +146,16 @@ class Target:
 
     @torch.no_grad()
     def forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-        """Verify forward over a tree after the prefix: tokens, depths ``[n]``; anc ``[n, n]`` bool
-        (ancestor-or-self). Writes slots L..L+n-1 at positions L + depth; returns f ``[n, h]``."""
-        n = tokens.shape[0]
-        slots = self.length + torch.arange(n, device=self.device)
-        return self.run(tokens, self.length + depths, slots, SlotMask(self.length, anc, self.cache.max_len))
+        """Verify forward over each row's tree after its prefix: tokens, depths ``[B, n]``; anc ``[B, n, n]``
+        bool (ancestor-or-self). Writes slots L..L+n-1 at positions L + depth; returns f ``[B, n, h]``."""
+        n = tokens.shape[1]
+        start = self.length.unsqueeze(1)
+        slots = start + torch.arange(n, device=self.device)
+        return self.run(tokens, start + depths, slots, SlotMask(self.length, anc, self.cache.max_len))
 
     def commit(self, path: torch.Tensor, n_accepted: torch.Tensor) -> None:
-        """Keep the accepted root path: node path[i] (a tree index, ``[P]``, padded) moves to slot L + i;
-        the length grows by ``n_accepted`` (0-dim tensor)."""
-        src = self.length + path
-        dst = self.length + torch.arange(path.shape[0], device=self.device)
-        self.cache.compact(src, dst)
+        """Keep each row's accepted root path: node path[b, i] (a tree index, ``[B, P]``, padded) moves to
+        slot L_b + i; the lengths grow by ``n_accepted`` ``[B]`` (0 for a row that is not decoding)."""
+        start = self.length.unsqueeze(1)
+        self.cache.compact(start + path, start + torch.arange(path.shape[1], device=self.device))
         self.length += n_accepted

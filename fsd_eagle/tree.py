@@ -18,13 +18,14 @@ from .kernels import topk
 
 @dataclass
 class DraftTree:
-    """A verified-in-one-forward token tree with n = total nodes (root included).
+    """B token trees (one per batch row), each verified in one forward, with n = nodes per tree (root
+    included; every row's tree has n nodes, each its own shape).
 
-    tokens ``[n]``; parents ``[n]`` (root's parent is itself, 0); depths ``[n]`` (root 0); anc ``[n, n]`` bool,
-    anc[i, j] = node j is an ancestor of i or i itself; scores ``[n]``: cumulative draft log-prob (root 0;
-    normalised over the draft vocabulary); q_logits ``[R, V]``: the draft's logits over every token at each
-    expanded node (its children's distribution q_n; None unless asked for); q_row ``[n]``: row of q_logits
-    for a node, -1 where the node was never expanded.
+    tokens ``[B, n]``; parents ``[B, n]`` (root's parent is itself, 0); depths ``[B, n]`` (root 0); anc
+    ``[B, n, n]`` bool, anc[b, i, j] = node j is an ancestor of i or i itself; scores ``[B, n]``: cumulative
+    draft log-prob (root 0; normalised over the draft vocabulary); q_logits ``[B, R, V]``: the draft's logits
+    over every token at each expanded node (its children's distribution q_n; None unless asked for); q_row
+    ``[B, n]``: row of q_logits for a node, -1 where the node was never expanded.
     max_depth: static bound on any node's depth (accepted paths have at most max_depth + 1 nodes).
     """
 
@@ -39,6 +40,10 @@ class DraftTree:
 
     @property
     def size(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def batch(self) -> int:
         return self.tokens.shape[0]
 
 
@@ -49,28 +54,30 @@ class Drafter(Protocol):
     vocab: torch.Tensor | None
 
     def logits(self, states: torch.Tensor, full: bool = False) -> torch.Tensor:
-        """Draft logits of states ``[n, s]``: over ``vocab``, or over every token with ``full``."""
+        """Draft logits of states ``[..., s]``: over ``vocab``, or over every token with ``full``."""
         ...
 
     def step(self, depth: int, tokens: torch.Tensor, states: torch.Tensor, rows_anc: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft one tree level: frontier tokens ``[k]`` at ``depth`` (1-based), their parents' states
-        ``[k, s]``, and ``rows_anc [k, A]``: which draft rows (A = (depth_max - 1) * k, level-major) each
-        frontier row sees (its ancestors and itself). Returns logits ``[k, V_d]`` and states ``[k, s]``."""
+        """Draft one tree level of every batch row: frontier tokens ``[B, k]`` at ``depth`` (1-based), their
+        parents' states ``[B, k, s]``, and ``rows_anc [B, k, A]``: which draft rows (A = (depth_max - 1) * k,
+        level-major) each frontier row sees (its ancestors and itself). Returns logits ``[B, k, V_d]`` and
+        states ``[B, k, s]``."""
         ...
 
 
 def root_tree(root_token: torch.Tensor) -> DraftTree:
-    """The tree of plain autoregressive decoding: the root alone."""
-    dev = root_token.device
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
-    return DraftTree(root_token.reshape(1), zero, zero, torch.ones(1, 1, dtype=torch.bool, device=dev),
-                     torch.zeros(1, device=dev), None, zero - 1, 0)
+    """The trees of plain autoregressive decoding: each row's root alone. root_token ``[B]``."""
+    b, dev = root_token.shape[0], root_token.device
+    zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    return DraftTree(root_token.reshape(b, 1), zero, zero, torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+                     torch.zeros(b, 1, device=dev), None, zero - 1, 0)
 
 
 def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Tensor, root_state: torch.Tensor,
                cfg: TreeConfig, with_q: bool = False) -> DraftTree:
-    """Grow the EAGLE-2 tree from the root's draft logits ``[V_d]`` and state ``[s]``.
+    """Grow one EAGLE-2 tree per batch row from the roots' tokens ``[B]``, draft logits ``[B, V_d]`` and
+    states ``[B, s]``.
 
     Level 1 takes the top_k tokens of q_root; each later level expands the current frontier (top_k nodes),
     scores the top_k x top_k children by cumulative log-prob and keeps the global top_k as the next
@@ -78,39 +85,39 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     ``with_q``: also return the draft's distributions over every token (q_logits; the fuzzy rule's q_n).
     """
     k, depth, dev, vocab = cfg.top_k, cfg.depth, root_logits.device, drafter.vocab
-    score, tok = _top_logprobs(root_logits[None], k, vocab)
-    score, tok = score[0], tok[0]
-    cand_tok, cand_score, cand_parent, cand_depth = [tok], [score], [torch.full((k,), -1, device=dev)], [1]
-    q_logits, q_states, q_cands = [root_logits.reshape(1, -1)], [root_state.reshape(1, -1)], []
-    frontier = torch.arange(k, device=dev)  # candidate indices of the frontier
-    states = root_state.reshape(1, -1).expand(k, -1)
+    b, s = root_state.shape
+    score, tok = _top_logprobs(root_logits, k, vocab)  # [B, k]
+    cand_tok, cand_score, cand_parent, cand_depth = [tok], [score], [torch.full((b, k), -1, device=dev)], [1]
+    q_logits, q_states, q_cands = [root_logits.unsqueeze(1)], [root_state.unsqueeze(1)], []
+    frontier = torch.arange(k, device=dev).expand(b, k)  # candidate indices of the frontier
+    states = root_state.unsqueeze(1).expand(b, k, s)
     area = (depth - 1) * k
-    rows_anc = torch.zeros(k, area, dtype=torch.bool, device=dev)
+    rows_anc = torch.zeros(b, k, area, dtype=torch.bool, device=dev)
     eye = torch.eye(k, dtype=torch.bool, device=dev)
     offset = k
     for d in range(1, depth):
-        rows_anc[:, (d - 1) * k: d * k] = eye
-        logits, out_states = drafter.step(d, tok, states, rows_anc)
+        rows_anc[:, :, (d - 1) * k: d * k] = eye
+        logits, out_states = drafter.step(d, tok, states, rows_anc)  # [B, k, V_d], [B, k, s]
         q_logits.append(logits)
         q_states.append(out_states)
         q_cands.append(frontier)
-        child_score, child_tok = _top_logprobs(logits, k, vocab)  # [k, k]
-        cum = (score.unsqueeze(1) + child_score).flatten()
-        child_tok = child_tok.flatten()
+        child_score, child_tok = _top_logprobs(logits.flatten(0, 1), k, vocab)  # [B * k, k]
+        cum = (score.unsqueeze(2) + child_score.view(b, k, k)).view(b, k * k)
+        child_tok = child_tok.view(b, k * k)
         cand_tok.append(child_tok)
         cand_score.append(cum)
-        cand_parent.append(frontier.repeat_interleave(k))
+        cand_parent.append(frontier.repeat_interleave(k, dim=1))
         cand_depth.append(d + 1)
         if d < depth - 1:
-            score, best = topk(cum[None], k)
-            score, best = score[0], best[0]
+            score, best = topk(cum, k)
             parent_row = best // k
-            tok, frontier = child_tok[best], offset + best
-            states, rows_anc = out_states[parent_row], rows_anc[parent_row]
+            tok, frontier = child_tok.gather(1, best), offset + best
+            states = out_states.gather(1, parent_row.unsqueeze(2).expand(b, k, s))
+            rows_anc = rows_anc.gather(1, parent_row.unsqueeze(2).expand(b, k, area))
         offset += k * k
     q = None
     if with_q:  # over every token: a draft vocabulary's logits lack the rest, so recompute from the states
-        q = torch.cat(q_logits) if vocab is None else drafter.logits(torch.cat(q_states), full=True)
+        q = torch.cat(q_logits, 1) if vocab is None else drafter.logits(torch.cat(q_states, 1), full=True)
     return _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q, q_cands, cfg)
 
 
@@ -124,38 +131,38 @@ def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None) -> t
 
 
 def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg: TreeConfig) -> DraftTree:
-    dev = root_token.device
-    tokens, scores, parents = torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent)
-    depths = torch.cat([torch.full((t.shape[0],), d, device=dev) for t, d in zip(cand_tok, cand_depth)])
-    total = tokens.shape[0]
+    dev, b = root_token.device, root_token.shape[0]
+    tokens, scores, parents = torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1)
+    depths = torch.cat([torch.full((t.shape[1],), d, device=dev) for t, d in zip(cand_tok, cand_depth)])
+    total = tokens.shape[1]
     n_keep = min(cfg.total_tokens - 1, total)
     # Stable sort on a depth-major candidate list: on score ties a parent stays ahead of its child, so the
     # kept set is connected (a child's cumulative log-prob never exceeds its parent's).
-    order = torch.sort(scores, descending=True, stable=True).indices[:n_keep]
-    order = order[torch.argsort(depths[order] * n_keep + torch.arange(n_keep, device=dev))]
-    node_of = torch.full((total,), -1, dtype=torch.long, device=dev)
-    node_of[order] = torch.arange(1, n_keep + 1, device=dev)
-    par = parents[order]
-    node_parents = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
-                              torch.where(par < 0, 0, node_of[par.clamp(min=0)])])
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n_keep]  # [B, K]
+    order = order.gather(1, torch.argsort(depths[order] * n_keep + torch.arange(n_keep, device=dev), dim=1))
+    ranks = torch.arange(1, n_keep + 1, device=dev).expand(b, n_keep)
+    node_of = torch.full((b, total), -1, dtype=torch.long, device=dev).scatter(1, order, ranks)
+    par = parents.gather(1, order)
+    zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    node_parents = torch.cat([zero, torch.where(par < 0, 0, node_of.gather(1, par.clamp(min=0)))], 1)  # [B, n]
     n = n_keep + 1
     idx = torch.arange(n, device=dev)
     # Item assignment with a Python scalar copies from the host (not graph-capturable): build masks instead.
-    anc = (idx.unsqueeze(1) == idx.unsqueeze(0)) | (node_parents.unsqueeze(1) == idx.unsqueeze(0))
+    anc = (idx.view(1, n, 1) == idx.view(1, 1, n)) | (node_parents.unsqueeze(2) == idx.view(1, 1, n))
     for _ in range(cfg.depth - 1):
-        anc = anc | anc[node_parents]
+        anc = anc | anc.gather(1, node_parents.unsqueeze(2).expand(b, n, n))
     # q rows: the root is row 0, level-d frontier row j is row 1 + (d - 1) * k + j.
-    q_row_of = torch.full((total,), -1, dtype=torch.long, device=dev)
+    q_row_of = torch.full((b, total), -1, dtype=torch.long, device=dev)
     for d, cands in enumerate(q_cands):
-        q_row_of[cands] = 1 + d * cfg.top_k + torch.arange(cands.shape[0], device=dev)
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
+        rows = (1 + d * cfg.top_k + torch.arange(cands.shape[1], device=dev)).expand(b, -1)
+        q_row_of = q_row_of.scatter(1, cands, rows)
     return DraftTree(
-        tokens=torch.cat([root_token.reshape(1), tokens[order]]),
+        tokens=torch.cat([root_token.view(b, 1), tokens.gather(1, order)], 1),
         parents=node_parents,
-        depths=torch.cat([zero, depths[order]]),
+        depths=torch.cat([zero, depths[order]], 1),
         anc=anc,
-        scores=torch.cat([torch.zeros(1, device=dev), scores[order]]),
+        scores=torch.cat([torch.zeros(b, 1, device=dev), scores.gather(1, order)], 1),
         q_logits=q_logits,
-        q_row=torch.cat([zero, q_row_of[order]]),
+        q_row=torch.cat([zero, q_row_of.gather(1, order)], 1),
         max_depth=cfg.depth,
     )

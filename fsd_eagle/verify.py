@@ -51,12 +51,12 @@ class AcceptanceRule:
 
 @dataclass
 class Verdict:
-    """Outcome of one round (all tensors on the device, nothing synced).
+    """Outcome of one round for each of B batch rows (all tensors on the device, nothing synced).
 
-    path ``[P]``: accepted node indices from the root, padded by repeating the last one (P = depth + 1);
-    n_accepted: nodes on the path, root included; bonus: the target's token after the path;
-    fuzzy_extra: draft tokens accepted beyond what the exact rule accepts here; div_sum, div_count: the
-    divergences D(p_n, q_n) at the path's decision nodes (for statistics).
+    path ``[B, P]``: accepted node indices from the root, padded by repeating the last one (P = depth + 1);
+    n_accepted ``[B]``: nodes on the path, root included; bonus ``[B]``: the target's token after the path;
+    fuzzy_extra ``[B]``: draft tokens accepted beyond what the exact rule accepts here; div_sum, div_count
+    ``[B]``: the divergences D(p_n, q_n) at the path's decision nodes (for statistics).
     """
 
     path: torch.Tensor
@@ -69,29 +69,32 @@ class Verdict:
 
 def verify_tree(tree: DraftTree, target_logits: torch.Tensor, form: RuleForm, values: RuleValues,
                 rng: RandomStream | None = None) -> Verdict:
-    """Accept a root path of ``tree`` under the rule ``form`` with its numbers ``values``; ``target_logits
-    [n, V]`` are the raw float32 logits of the verify forward (row i: the target's distribution for the
-    children of node i). ``rng``: the call's random stream (sampling forms only; read, not advanced)."""
-    n, dev = tree.size, target_logits.device
+    """Accept a root path of each row's tree under the rule ``form`` with its row's numbers ``values``;
+    ``target_logits [B, n, V]`` are the raw float32 logits of the verify forward (row i: the target's
+    distribution for the children of node i). ``rng``: the rows' random streams (sampling forms only; read,
+    not advanced)."""
+    (b, n), dev = tree.tokens.shape, target_logits.device
     if form.fuzzy and tree.q_logits is not None:
         div = node_divergences(tree, target_logits, form, values)
-        fuzzy_ok = (div[tree.parents] <= values.threshold) & top_children(tree)
+        fuzzy_ok = (div.gather(1, tree.parents) <= values.threshold.unsqueeze(1)) & top_children(tree)
     else:  # the exact rule: no divergence work in the loop
-        div = torch.full((n,), float("inf"), device=dev)
-        fuzzy_ok = torch.zeros(n, dtype=torch.bool, device=dev)
+        div = torch.full((b, n), float("inf"), device=dev)
+        fuzzy_ok = torch.zeros(b, n, dtype=torch.bool, device=dev)
     if form.greedy:
         path, n_acc, bonus, exact_len = _accept_greedy(tree, target_logits, fuzzy_ok, form)
     else:
         path, n_acc, bonus, exact_len = _accept_sampling(tree, target_logits, fuzzy_ok, form, values, rng)
-    decided = (torch.arange(path.shape[0], device=dev) < n_acc) & torch.isfinite(div[path])
+    path_div = div.gather(1, path)
+    decided = (torch.arange(path.shape[1], device=dev) < n_acc.unsqueeze(1)) & torch.isfinite(path_div)
     # Pure mode may accept fewer tokens than the exact rule would: that is no extra, not a negative one.
     return Verdict(path, n_acc, bonus, (n_acc - exact_len).clamp(min=0),
-                   torch.where(decided, div[path], 0.0).sum(), decided.sum())
+                   torch.where(decided, path_div, 0.0).sum(1), decided.sum(1))
 
 
 def node_divergences(tree: DraftTree, target_logits: torch.Tensor, form: RuleForm, values: RuleValues) -> torch.Tensor:
-    """D(p_n, q_n) for every node ``[n]`` (float32); +inf where the node was never expanded."""
-    p, q = target_logits, tree.q_logits[tree.q_row.clamp(min=0)].float()
+    """D(p_n, q_n) for every node ``[B, n]`` (float32); +inf where the node was never expanded."""
+    p = target_logits
+    q = tree.q_logits.gather(1, tree.q_row.clamp(min=0).unsqueeze(2).expand(-1, -1, p.shape[2])).float()
     if form.processed:
         p, q = process_logits(p, form, values), process_logits(q, form, values)
     d = divergence(form.divergence, p, q, form.support_top_k)
@@ -99,36 +102,38 @@ def node_divergences(tree: DraftTree, target_logits: torch.Tensor, form: RuleFor
 
 
 def top_children(tree: DraftTree) -> torch.Tensor:
-    """``[n]`` bool: the node is its parent's child of highest draft probability."""
-    best = torch.full((tree.size,), float("-inf"), device=tree.scores.device)
-    best = best.scatter_reduce(0, tree.parents[1:], tree.scores[1:], reduce="amax")
-    return (tree.scores == best[tree.parents]) & (torch.arange(tree.size, device=best.device) > 0)
+    """``[B, n]`` bool: the node is its parent's child of highest draft probability."""
+    best = torch.full(tree.scores.shape, float("-inf"), device=tree.scores.device)
+    best = best.scatter_reduce(1, tree.parents[:, 1:], tree.scores[:, 1:], reduce="amax")
+    return (tree.scores == best.gather(1, tree.parents)) & (torch.arange(tree.size, device=best.device) > 0)
 
 
 def root_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
-    """Root-to-``node`` indices ``[max_depth + 1]`` (nodes are depth-ordered), padded with ``node``."""
+    """Root-to-``node`` indices ``[B, max_depth + 1]`` per row (nodes are depth-ordered), padded with
+    ``node`` ``[B]``."""
     idx = torch.arange(tree.size, device=node.device)
-    path = torch.sort(torch.where(pick(tree.anc, node), idx, tree.size + idx)).values[: tree.max_depth + 1]
-    return torch.where(path < tree.size, path, node)
+    on_path = pick(tree.anc, node)  # [B, n]
+    path = torch.sort(torch.where(on_path, idx, tree.size + idx), dim=1).values[:, : tree.max_depth + 1]
+    return torch.where(path < tree.size, path, node.unsqueeze(1))
 
 
 def deepest_accepted(tree: DraftTree, ok: torch.Tensor, exact_ok: torch.Tensor | None = None) -> torch.Tensor:
-    """The deepest node whose whole root path is ``ok``. Ties go to the path with the most exactly accepted
-    nodes (``exact_ok``: fuzzy acceptance must not replace the target's own choice for no gain), then to the
-    first node, i.e. the best-scored."""
-    accepted = ~(tree.anc & ~ok.unsqueeze(0)).any(dim=1)
+    """Per row ``[B]``: the deepest node whose whole root path is ``ok`` ``[B, n]``. Ties go to the path with
+    the most exactly accepted nodes (``exact_ok``: fuzzy acceptance must not replace the target's own choice
+    for no gain), then to the first node, i.e. the best-scored."""
+    accepted = ~(tree.anc & ~ok.unsqueeze(1)).any(dim=2)
     key = tree.depths * (tree.max_depth + 2)
     if exact_ok is not None:
-        key = key + (tree.anc & exact_ok.unsqueeze(0)).sum(dim=1)
-    return torch.argmax(torch.where(accepted, key, -1))
+        key = key + (tree.anc & exact_ok.unsqueeze(1)).sum(dim=2)
+    return torch.argmax(torch.where(accepted, key, -1), dim=1)
 
 
 def _accept_greedy(tree, logits, fuzzy_ok, form):
     """A node is ok if it is the target's argmax at its parent (exact) or passes the fuzzy test; in a tree
     both continue a branch, and the longest branch wins (so acceptance grows monotonically with T)."""
-    argmax = logits.argmax(dim=-1)
+    argmax = logits.argmax(dim=-1)  # [B, n]
     is_root = torch.arange(tree.size, device=logits.device) == 0
-    exact_ok = (tree.tokens == argmax[tree.parents]) | is_root
+    exact_ok = (tree.tokens == argmax.gather(1, tree.parents)) | is_root
     fuzzy_ok = fuzzy_ok | is_root
     ok = fuzzy_ok if form.mode == "pure" else exact_ok | fuzzy_ok
     best = deepest_accepted(tree, ok, exact_ok)
@@ -142,46 +147,47 @@ def _accept_sampling(tree, logits, fuzzy_ok, form, values, rng):
     draft: lossless). If all are rejected, the fuzzy rule may still take the top child; else the walk ends
     at c, and the bonus is a sample of p_c with c's (rejected) children removed (pure mode: of p_c itself).
     A walk that runs out of tree ends at a leaf, whose p has nothing to remove: one bonus draw serves both.
+    Every batch row walks its own tree at once.
 
     Random numbers: one uniform per (level, node) and one race over the vocabulary for the bonus, all
-    from ``rng``'s current step."""
-    n, dev = tree.size, logits.device
-    probs = process_logits(logits, form, values).softmax(-1)  # [n, V]
+    from each row's stream at its current step."""
+    (b, n), dev = tree.tokens.shape, logits.device
+    probs = process_logits(logits, form, values).softmax(-1)  # [B, n, V]
     pure = form.mode == "pure"
-    idx = torch.arange(n, device=dev)
+    not_root = torch.arange(n, device=dev) > 0
     top = top_children(tree)
-    uniforms = rng.uniform((tree.max_depth, n), DRAW_ACCEPT)
-    cur = torch.zeros((), dtype=torch.long, device=dev)
-    alive = torch.ones((), dtype=torch.bool, device=dev)
+    uniforms = rng.uniform((tree.max_depth, n), DRAW_ACCEPT)  # [B, depth, n]
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
     exact_alive = alive.clone()
-    n_acc = torch.ones((), dtype=torch.long, device=dev)
+    n_acc = torch.ones(b, dtype=torch.long, device=dev)
     exact_len = n_acc.clone()
     for level in range(tree.max_depth):
-        p = pick(probs, cur)
-        children = (tree.parents == cur) & (idx > 0)
-        p_child = torch.where(children, p[tree.tokens], 0.0)
-        rejected_before = torch.cumsum(p_child, 0) - p_child
-        success = children & (uniforms[level] * (1.0 - rejected_before).clamp(min=1e-12) < p_child)
-        exact_step = success.any()  # the exact rule accepts a child here (statistics, also in pure mode)
+        p = pick(probs, cur)  # [B, V]
+        children = (tree.parents == cur.unsqueeze(1)) & not_root
+        p_child = torch.where(children, p.gather(1, tree.tokens), 0.0)
+        rejected_before = torch.cumsum(p_child, 1) - p_child
+        success = children & (uniforms[:, level] * (1.0 - rejected_before).clamp(min=1e-12) < p_child)
+        exact_step = success.any(1)  # the exact rule accepts a child here (statistics, also in pure mode)
         exact_go = exact_step & (not pure)
-        top_child = torch.argmax((children & top).int())
-        fuzzy_go = children.any() & pick(fuzzy_ok, top_child)
+        top_child = torch.argmax((children & top).int(), 1)
+        fuzzy_go = children.any(1) & pick(fuzzy_ok, top_child)
         go = exact_go | fuzzy_go
-        nxt = torch.where(exact_go, torch.argmax(success.int()), top_child)
+        nxt = torch.where(exact_go, torch.argmax(success.int(), 1), top_child)
         exact_alive = exact_alive & exact_step & alive
         exact_len = exact_len + exact_alive
         cur = torch.where(alive & go, nxt, cur)
         n_acc = n_acc + (alive & go)
         alive = alive & go
     p = pick(probs, cur)
-    rejected = (tree.parents == cur) & (idx > 0)
+    rejected = (tree.parents == cur.unsqueeze(1)) & not_root
     bonus = sample(p if pure else _remove(p, tree.tokens, rejected), rng, DRAW_TOKEN)
     return root_path(tree, cur), n_acc, bonus, exact_len
 
 
 def _remove(p: torch.Tensor, tokens: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
-    """p ``[V]`` with the tokens of the ``drop`` nodes zeroed (the residual after rejecting them); p itself
-    if that leaves no mass."""
-    hit = torch.zeros(p.shape, dtype=torch.long, device=p.device).scatter_reduce(0, tokens, drop.long(), "amax")
+    """p ``[B, V]`` with the tokens ``[B, n]`` of the ``drop`` ``[B, n]`` nodes zeroed (the residual after
+    rejecting them); a row's p itself if that leaves it no mass."""
+    hit = torch.zeros(p.shape, dtype=torch.long, device=p.device).scatter_reduce(1, tokens, drop.long(), "amax")
     residual = p * (hit == 0)
-    return torch.where(residual.sum() > 0, residual, p)
+    return torch.where(residual.sum(1, keepdim=True) > 0, residual, p)

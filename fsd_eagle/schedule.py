@@ -1,0 +1,128 @@
+"""Continuous batching: prompts flow through a session's B rows; a row whose prompt has finished takes
+the next waiting prompt at the next round boundary, so the throughput of a prompt list does not wait for
+its longest answer.
+
+``Scheduler.run`` yields each prompt's new tokens as rounds complete; the caller decides when a prompt
+ends early (EOS, a stop string: ``finish``), the scheduler ends it at its token budget. One host sync per
+round (reading every row's accepted tokens at once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .decode import DecodeStats, plan_cache
+from .session import FirstToken, PendingRound, Session
+from .verify import AcceptanceRule
+
+
+@dataclass
+class Request:
+    """One prompt to decode: ids ``[L]`` on the device, its token budget, rule and seed; ``stats`` is
+    filled as it decodes."""
+
+    prompt_ids: torch.Tensor
+    max_new_tokens: int
+    rule: AcceptanceRule
+    seed: int = 0
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+
+class Scheduler:
+    """Decodes ``requests`` on ``session`` (whose plan fits every request's rule form), at most ``rows``
+    (default: the session's B) at a time, in order of the list: rows are filled first to last, and a freed
+    row takes the next waiting request. Rows past ``rows`` stay idle."""
+
+    def __init__(self, session: Session, requests: list[Request], rows: int | None = None) -> None:
+        self.session, self.requests = session, requests
+        self.rows = min(rows or session.batch, session.batch)
+        self.finished: set[int] = set()  # requests the caller ended (EOS, stop string)
+        self.done: set[int] = set()  # requests whose row was released
+        self.produced = [0] * len(requests)
+        self.started_at = [0.0] * len(requests)
+
+    def finish(self, index: int) -> None:
+        """End request ``index`` after the tokens just yielded (its later tokens are dropped)."""
+        self.finished.add(index)
+
+    def run(self) -> Iterator[tuple[int, list[int]]]:
+        """Yield (request index, new token ids) as rounds complete: a request's first token comes from its
+        prefill, then each round adds at most depth + 1. At most ``max_new_tokens`` tokens per request.
+
+        With graph rounds the next round is launched before this one is read (so the host reads and
+        detokenizes while the GPU computes), unless every decoding row may end in this round (a round
+        computed in vain costs a whole round; waiting costs a launch). A request that ends while a round is
+        in flight loses that round's tokens (dropped); its row is refilled after that round."""
+        s, reqs = self.session, self.requests
+        if not reqs:
+            return
+        granularity = 2048 if s.target.device.type == "cuda" else 256
+        s.allocate(max(plan_cache(s.prompt_slots(r.prompt_ids.shape[0]), r.max_new_tokens, s.tree, granularity)
+                       for r in reqs))
+        waiting = deque(range(len(reqs)))
+        owner: list[int | None] = [None] * self.rows
+        most = min(s.tree.depth, s.tree.total_tokens - 1) + 1 if s.drafter is not None else 1
+        ahead: tuple[PendingRound, tuple] | None = None
+        while True:
+            started: list[tuple[int, int, FirstToken]] = []
+            for row in range(self.rows):
+                if owner[row] is None and waiting:
+                    i = waiting.popleft()
+                    self.started_at[i] = time.perf_counter()
+                    started.append((row, i, s.start(row, reqs[i].prompt_ids, reqs[i].rule, reqs[i].seed)))
+                    owner[row] = i
+            busy = [i for i in owner if i is not None]
+            if not busy:
+                return
+            current = ahead or (s.launch(), tuple(owner))
+            may_continue = any(self.produced[i] + most < reqs[i].max_new_tokens for i in busy)
+            ahead = (s.launch(), tuple(owner)) if s.use_graph and may_continue else None
+            for row, i, first in started:
+                token = first.read()
+                st = reqs[i].stats
+                st.prefill_s = time.perf_counter() - self.started_at[i]
+                st.mode, st.attention = s.mode, s.attention
+                yield from self._deliver(i, [token], row, owner)
+            rounds, owners = current
+            for row, (result, i) in enumerate(zip(rounds.results(), owners)):
+                if i is None or i in self.done:
+                    continue
+                st = reqs[i].stats
+                st.fuzzy_accepted += result.fuzzy_extra
+                st.divergence_count += result.div_count
+                st.divergence_sum += result.div_sum
+                st.accept_lengths.append(result.n_accepted)
+                st.mode, st.attention = s.mode, s.attention
+                yield from self._deliver(i, result.tokens, row, owner)
+
+    def _deliver(self, i: int, tokens: list[int], row: int, owner: list) -> Iterator[tuple[int, list[int]]]:
+        """Count a target forward and the tokens of request ``i`` (clipped to its budget), yield them, and
+        release its row if it has ended."""
+        req, st = self.requests[i], self.requests[i].stats
+        new = tokens[: req.max_new_tokens - self.produced[i]]
+        self.produced[i] += len(new)
+        st.target_forwards += 1
+        st.new_tokens += len(new)
+        st.elapsed_s = time.perf_counter() - self.started_at[i]
+        yield i, new
+        if i in self.finished or self.produced[i] >= req.max_new_tokens:
+            self.done.add(i)
+            owner[row] = None
+            self.session.stop(row)
+
+
+def decode(session: Session, prompt_ids: torch.Tensor, max_new_tokens: int, rule: AcceptanceRule,
+           seed: int = 0, stats: DecodeStats | None = None) -> Iterator[list[int]]:
+    """One prompt ``[L]`` on ``session`` (row 0): yield the new token ids of each round (the prefill's
+    first token, then each round's); at most ``max_new_tokens`` in all. The caller may stop iterating at
+    any point (EOS, a stop string). ``stats`` is filled as rounds complete."""
+    if max_new_tokens < 1:
+        return
+    request = Request(prompt_ids, max_new_tokens, rule, seed, stats if stats is not None else DecodeStats())
+    for _, tokens in Scheduler(session, [request], 1).run():
+        yield tokens

@@ -1,0 +1,271 @@
+"""Plans and sessions: how rounds run, and the state they run on.
+
+A ``Plan`` is frozen: the tree, the rule form, whether to draft, the execution mode (CUDA graphs, compiled
+rounds, preferred tree attention) and the batch size B. A ``Session`` carries out one plan over an
+engine's weights: it owns the KV caches of B rows, the round state, and the graphs it captures, and it
+runs rounds for all rows at once (``launch``), returning typed per-row results. Rows start prompts
+(``start``) and stop (``stop``) independently, so a scheduler can refill a finished row while the others
+decode (fsd_eagle.schedule).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .config import TreeConfig
+from .decode import (RoundResult, RoundState, capture, capture_first, compiled_prefill, compiled_round, prefill,
+                     prefill_bucket, round_attention, run_round)
+from .drafter import DraftRoot, ModelDrafter
+from .engine import Engine
+from .sampling import RuleForm
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def batch_bucket(rows: int) -> int:
+    """Rows a session gets for ``rows`` prompts decoded together: the next power of two (one captured graph
+    and one compilation per bucket), at most the largest bucket."""
+    for b in BATCH_BUCKETS:
+        if rows <= b:
+            return b
+    return BATCH_BUCKETS[-1]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a session runs: ``tree`` (drafting only if ``drafting`` and the tree drafts), the static rule
+    ``form``, CUDA ``graphs`` and ``compile`` (on a GPU), the ``attention`` preferred for compiled rounds
+    (None: FlexAttention where it applies) and the batch size. Calls that differ only in rule numbers,
+    seeds or prompts share a plan, and so a session and its graphs."""
+
+    tree: TreeConfig
+    form: RuleForm
+    drafting: bool = True
+    graphs: bool = False
+    compile: bool = False
+    attention: str | None = None
+    batch: int = 1
+
+
+@dataclass
+class PendingRound:
+    """A launched round's packed output (see ``decode.pack_round``) on its way to the host."""
+
+    host: torch.Tensor  # [B, 4 + P] on the CPU (a pinned buffer filled asynchronously in graph mode)
+    event: torch.cuda.Event | None = None  # set when the copy is asynchronous
+
+    def results(self) -> list[RoundResult]:
+        """One RoundResult per batch row (waits for this round only, not for a round launched after it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [RoundResult.unpack(row) for row in self.host.tolist()]
+
+
+@dataclass
+class FirstToken:
+    """A prompt's first token (from its prefill) on its way to the host."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None = None
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host[0])
+
+
+class Session:
+    """Runs one Plan over an engine: B rows, each decoding its own prompt with its own rule numbers and
+    seed, in one target forward and one draft pass per round for all rows.
+
+    Rounds run eagerly, or on CUDA by replaying a captured graph of ``decode.run_round`` (compiled first with
+    ``plan.compile``); if a compiled round cannot be captured with FlexAttention it is tried with SDPA, then
+    uncompiled; where nothing captures, rounds run eagerly with the same outputs. Prefills run one prompt at
+    a time into a one-row cache (captured per padded prompt length) and are copied into their row (with B =
+    1 the row itself). In graph mode ``launch`` returns before the round ends, so the host can read one
+    round while the GPU runs the next.
+    """
+
+    def __init__(self, engine: Engine, plan: Plan) -> None:
+        self.engine, self.plan = engine, plan
+        self.batch = plan.batch
+        self.target = engine.new_target()
+        self.drafting = plan.drafting and plan.tree.drafts and engine.has_drafter
+        self.drafter = engine.new_drafter(self.target) if self.drafting else None
+        self.form = plan.form if self.drafting else plan.form.exact()
+        dev = self.target.device
+        self.state = RoundState.create(dev, self.batch)
+        if self.batch == 1:  # prefill straight into the row
+            self.one_target, self.one_drafter, self.one_state = self.target, self.drafter, self.state
+        else:
+            self.one_target = engine.new_target()
+            self.one_drafter = engine.new_drafter(self.one_target) if self.drafting else None
+            self.one_state = RoundState.create(dev, 1)
+        self.rows = torch.arange(self.batch, device=dev).view(self.batch, 1)  # index tensors, made once
+        self.use_graph = plan.graphs and dev.type == "cuda"
+        self.compile = plan.compile and self.use_graph
+        self.attention = round_attention(self.compile, self.target.config, plan.attention)
+        self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # (graph, its output buffer)
+        self.captured_for: tuple = ()
+        self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)
+        self.turn = 0
+        # Prefills by padded length: (ids buffer, length buffer, the prefill on them, its (graph, outputs)
+        # or None where capture failed).
+        self.prefills: dict[int, tuple] = {}
+        self.prefills_for: tuple = ()
+        self.max_len = 0
+
+    @property
+    def tree(self) -> TreeConfig:
+        return self.plan.tree
+
+    @property
+    def mode(self) -> str:
+        """How rounds run now: "compiled" (compiled, captured), "graph" (captured) or "eager"."""
+        if not self.use_graph:
+            return "eager"
+        return "compiled" if self.compile else "graph"
+
+    def prompt_slots(self, prompt_len: int) -> int:
+        """Cache slots a prompt's prefill writes: its padded length in graph mode."""
+        return prefill_bucket(prompt_len) if self.use_graph else prompt_len
+
+    def allocate(self, max_len: int) -> None:
+        """Caches of ``max_len`` slots per row (kept when big enough), every row stopped."""
+        pairs = [(self.target, self.drafter, self.batch)]
+        if self.one_target is not self.target:
+            pairs.append((self.one_target, self.one_drafter, 1))
+        for target, drafter, batch in pairs:
+            target.allocate(max_len, batch)
+            if drafter is not None:
+                drafter.allocate(max_len, self.tree, batch)
+        self.max_len = self.target.cache.max_len
+        self.state.active.zero_()
+
+    def start(self, row: int, prompt_ids: torch.Tensor, rule, seed: int) -> FirstToken:
+        """Start decoding ``prompt_ids`` ``[L]`` in ``row`` under ``rule`` (an AcceptanceRule of this plan's
+        form) from ``seed``: prefill, then load the row. Returns the prompt's first token (read later: no
+        host sync here). Enqueued after any round already launched."""
+        one = self.one_state
+        one.values.set(rule, 0)
+        one.rng.reseed(seed, 0)
+        root_token, root = self._prefill(prompt_ids)
+        st = self.state
+        if self.one_target is self.target:
+            st.load_root(None, root_token, root)
+        else:
+            r = self.rows[row]
+            self.target.load_row(r, self.one_target)
+            if self.drafter is not None:
+                self.drafter.load_row(r, self.one_drafter)
+            st.load_root(r, root_token, root)
+            st.values.set(rule, row)
+            st.rng.load_row(r, one.rng)
+        st.active[row].fill_(True)
+        return self._to_host(root_token, FirstToken)
+
+    def stop(self, row: int) -> None:
+        """Stop ``row``: its caches stop growing (its rounds still run, their results are ignored)."""
+        self.state.active[row].fill_(False)
+
+    def launch(self) -> PendingRound:
+        """Start one round of every row; read its results with ``.results()``."""
+        if self.use_graph:
+            caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
+            if self.graph is None or any(a is not b for a, b in zip(caches, self.captured_for)):
+                # (Re)capture: first use, or a cache was reallocated (the graph holds its addresses).
+                self.graph = self._capture_round()
+                self.captured_for = caches
+                self.use_graph = self.graph is not None
+            if self.graph is not None:
+                graph, output = self.graph
+                graph.replay()
+                if len(self.host) != 2 or self.host[0].shape != output.shape:
+                    self.host = [torch.empty(output.shape, dtype=output.dtype, pin_memory=True) for _ in range(2)]
+                buf = self.host[self.turn]
+                self.turn ^= 1
+                buf.copy_(output, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                return PendingRound(buf, event)
+        self._apply_attention()
+        return PendingRound(run_round(self.target, self.drafter, self.state, self.tree, self.form).cpu())
+
+    def _to_host(self, tensor: torch.Tensor, kind):
+        if not tensor.is_cuda:
+            return kind(tensor.cpu())
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        buf.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return kind(buf, event)
+
+    def _prefill(self, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, DraftRoot | None]:
+        """``decode.prefill`` of one prompt ``[L]`` into the one-row caches: eagerly, or in graph mode by
+        replaying the graph captured for its padded length (the eager HF forward is ~25 ms of kernel launches
+        on the H200)."""
+        n = prompt_ids.shape[0]
+        one, dev = self.one_state, prompt_ids.device
+        form = self.form.exact()  # a prefill draws the first token: fuzzy settings play no part
+        if not self.use_graph:
+            return prefill(self.one_target, self.one_drafter, prompt_ids.view(1, n), torch.full((1,), n, device=dev),
+                           form, one.values, one.rng)
+        caches = (self.one_target.cache, getattr(self.one_drafter, "cache", None))
+        if any(a is not b for a, b in zip(caches, self.prefills_for)):
+            self.prefills, self.prefills_for = {}, caches  # graphs hold cache addresses
+        size = prefill_bucket(n)
+        entry = self.prefills.get(size)
+        ids, length = entry[:2] if entry else (torch.zeros(1, size, dtype=torch.long, device=dev),
+                                               torch.zeros(1, dtype=torch.long, device=dev))
+        ids.zero_()
+        ids[0, :n].copy_(prompt_ids)
+        length.fill_(n)
+        if entry is None:  # first prompt of this bucket: capture (warm-ups run on this prompt)
+            args = (self.one_target, self.one_drafter, ids, length, form, one.values, one.rng)
+            fn = functools.partial(prefill, *args)
+            candidates = ([functools.partial(compiled_prefill(), *args)] if self.compile else []) + [fn]
+            found = capture_first(candidates, self._prefill_state())
+            entry = self.prefills[size] = (ids, length, fn, found)  # found None: this bucket runs eagerly
+        _, _, fn, captured = entry
+        if captured is None:
+            return fn()
+        graph, out = captured
+        graph.replay()
+        return out
+
+    def _capture_round(self):
+        """Capture the round: compiled with the session's attention, compiled with SDPA (e.g. inductor finds
+        no FlexAttention kernel for this head size), then uncompiled with SDPA; the first that captures sets
+        ``attention`` and ``compile``. None: nothing captured (rounds run eagerly, with SDPA)."""
+        options = [(True, self.attention), (True, "sdpa")] if self.compile else []
+        options = list(dict.fromkeys(options + [(False, "sdpa")]))
+        for compiled, backend in options:
+            self.compile, self.attention = compiled, backend
+            self._apply_attention()
+            fn = compiled_round() if compiled else run_round
+            found = capture(functools.partial(fn, self.target, self.drafter, self.state, self.tree, self.form),
+                            self._round_state())
+            if found is not None:
+                return found
+        return None
+
+    def _apply_attention(self) -> None:
+        self.target.use_attention(self.attention)
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.model.use_attention(self.attention)
+
+    def _prefill_state(self) -> list[torch.Tensor]:
+        """What a prefill changes besides cache rows (restored after capture warm-ups)."""
+        d = self.one_drafter
+        return [self.one_target.length, self.one_state.rng.counter] + ([d.length] if d is not None else [])
+
+    def _round_state(self) -> list[torch.Tensor]:
+        """What a round changes besides cache rows past the prefixes (restored after capture warm-ups)."""
+        st = self.state
+        tensors = [self.target.length, st.root_token, st.rng.counter]
+        if self.drafter is not None:
+            tensors += [self.drafter.length, st.root_logits, st.root_state]
+        return tensors
