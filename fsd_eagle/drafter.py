@@ -98,7 +98,7 @@ class SlotDrafter:
         states = self._forward(next_tokens, features, slots, slots, SlotMask(self.length, causal, self.max_len),
                                backend)
         state = pick(states, n_accepted - 1)
-        self.length += n_accepted if grow is None else grow
+        self.length.add_(n_accepted if grow is None else grow)
         return DraftRoot(self.logits(state), state)
 
     @torch.no_grad()

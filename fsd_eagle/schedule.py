@@ -45,6 +45,7 @@ class Scheduler:
         self.done: set[int] = set()  # requests whose row was released
         self.produced = [0] * len(requests)
         self.started_at = [0.0] * len(requests)
+        self.row_of: dict[int, int] = {}  # the row each started request decodes in
 
     def finish(self, index: int) -> None:
         """End request ``index`` after the tokens just yielded (its later tokens are dropped)."""
@@ -74,6 +75,7 @@ class Scheduler:
                 if owner[row] is None and waiting:
                     i = waiting.popleft()
                     self.started_at[i] = time.perf_counter()
+                    self.row_of[i] = row
                     started.append((row, i, s.start(row, reqs[i].prompt_ids, reqs[i].rule, reqs[i].seed)))
                     owner[row] = i
             busy = [i for i in owner if i is not None]

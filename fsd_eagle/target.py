@@ -158,4 +158,4 @@ class Target:
         slot L_b + i; the lengths grow by ``n_accepted`` ``[B]`` (0 for a row that is not decoding)."""
         start = self.length.unsqueeze(1)
         self.cache.compact(start + path, start + torch.arange(path.shape[1], device=self.device))
-        self.length += n_accepted
+        self.length.add_(n_accepted)

@@ -7,6 +7,7 @@ share one instance each (treat them as read-only: ``copy.deepcopy`` before chang
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -99,3 +100,42 @@ def verify(tree, logits, rule, rng=None):
     if isinstance(rng, int):
         rng = RandomStream.create(logits.device, rng)
     return verify_tree(tree, logits, rule.form, rule.values(logits.device), rng)
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) restricted to the smallest top set with mass >= top_p (float64, renormalized)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = p.sort(-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < top_p)
+        p = torch.where(keep, p, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
+    """Goodness of fit of ``counts`` to the probabilities ``expected`` (cells with an expected count below
+    5 are pooled); p-value via the regularized upper incomplete gamma function."""
+    if not set(counts) <= {c for c, p in expected.items() if p > 0}:
+        return 0.0  # a sample the model cannot produce
+    cells = sorted(expected, key=lambda c: expected[c])
+    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
+    for c in cells:
+        e = expected[c] * n
+        if e < 5:
+            pool_o, pool_e = pool_o + counts.get(c, 0), pool_e + e
+        else:
+            obs.append(counts.get(c, 0))
+            exp.append(e)
+    if pool_e > 0:
+        if pool_e < 5 and exp:  # still too small: merge with the smallest big cell
+            obs[0], exp[0] = obs[0] + pool_o, exp[0] + pool_e
+        else:
+            obs.append(pool_o)
+            exp.append(pool_e)
+    obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
+    df = len(obs) - 1
+    assert df >= 3
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))

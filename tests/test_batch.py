@@ -1,0 +1,208 @@
+"""Batched decoding: B rows decoding different prompts in one target forward per round, with continuous
+refill. Every row must decode exactly what its prompt decodes alone (greedy, fp32), whatever the other rows
+do (other prompt lengths, finishing at other rounds, rows refilled mid-run), and sampling must stay lossless
+per row."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+
+import fsd_eagle.verify as verify_module
+from fsd_eagle.config import SamplingConfig, TreeConfig
+from fsd_eagle.engine import Engine
+from fsd_eagle.head import EagleHead, HeadConfig
+from fsd_eagle.schedule import Request, Scheduler, decode
+from fsd_eagle.session import Plan, Session, batch_bucket
+from fsd_eagle.verify import AcceptanceRule
+
+from conftest import chi_square_pvalue, reference_probs, tiny_model
+
+GREEDY = AcceptanceRule()
+
+
+def noisy(model, scale: float = 0.05, seed: int = 1):
+    """A copy of ``model`` with Gaussian noise on its weight matrices: a draft model that agrees often."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            if p.dim() > 1:
+                p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def engine(arch: str, drafter: str) -> Engine:
+    """A tiny ``arch`` target with a random EAGLE head ("head") or a noisy copy of itself ("model")."""
+    model = tiny_model(arch, max_position_embeddings=1024)
+    if drafter == "head":
+        torch.manual_seed(2)
+        head = EagleHead(HeadConfig.for_target(model.config)).float().eval()
+        return Engine(model, None, head=head)
+    return Engine(model, None, draft_model=noisy(model))
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    """n prompts of different lengths (3 to 40 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 41, (1,), generator=gen)),), generator=gen)
+            for _ in range(n)]
+
+
+def alone(eng: Engine, plan: Plan, prompt: torch.Tensor, n: int, rule=GREEDY, seed: int = 0) -> list[int]:
+    session = Session(eng, Plan(plan.tree, plan.form, plan.drafting, batch=1))
+    return [t for new in decode(session, prompt, n, rule, seed) for t in new]
+
+
+def batched(eng: Engine, plan: Plan, requests: list[Request], rows: int | None = None,
+            end_at: int | None = None) -> tuple[list[list[int]], Scheduler]:
+    """Decode ``requests`` on one session of ``plan``; a request ends after token ``end_at`` (an "EOS")."""
+    scheduler = Scheduler(Session(eng, plan), requests, rows)
+    out: list[list[int]] = [[] for _ in requests]
+    for i, tokens in scheduler.run():
+        out[i] += tokens
+        if end_at is not None and end_at in tokens:
+            out[i] = out[i][: out[i].index(end_at) + 1]
+            scheduler.finish(i)
+    return out, scheduler
+
+
+TREE = TreeConfig(total_tokens=12, depth=4, top_k=3)
+
+
+@pytest.mark.parametrize("drafter", ["head", "model", "none"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_every_row_of_a_batch_decodes_as_it_would_alone(arch, drafter):
+    """9 prompts of different lengths and budgets through 4 rows (rows finish at different rounds and are
+    refilled): every output equals the prompt decoded alone, and AR-equal (greedy is exact). gemma3's
+    sliding window (6 tokens) is far shorter than prompt + output."""
+    eng = engine(arch, "head" if drafter == "none" else drafter)
+    plan = Plan(TREE, GREEDY.form, drafting=drafter != "none", batch=4)
+    vocab = eng.target.vocab_size
+    ps = prompts(9, vocab, seed=1)
+    budgets = [5 + 7 * (i % 4) for i in range(len(ps))]
+    out, scheduler = batched(eng, plan, [Request(p, n, GREEDY) for p, n in zip(ps, budgets)])
+    assert len(set(scheduler.row_of.values())) == 4  # every row served, and 9 > 4 prompts: rows were refilled
+    for p, n, got in zip(ps, budgets, out):
+        assert got == alone(eng, plan, p, n)
+    ar = Plan(TREE, GREEDY.form, drafting=False, batch=1)
+    assert out[0] == alone(eng, ar, ps[0], budgets[0])
+
+
+def test_a_row_ended_early_is_refilled_and_the_rest_is_unchanged():
+    """The caller ends prompts at an "EOS" token; their rows take the waiting prompts."""
+    eng = engine("llama", "model")
+    plan = Plan(TREE, GREEDY.form, batch=2)
+    ps = prompts(6, eng.target.vocab_size, seed=2)
+    full = [alone(eng, plan, p, 24) for p in ps]
+    eos = Counter(t for f in full for t in f[2:12]).most_common(1)[0][0]  # a token several outputs contain
+    out, _ = batched(eng, plan, [Request(p, 24, GREEDY) for p in ps], end_at=eos)
+    for got, ref in zip(out, full):
+        expect = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert got == expect
+    assert any(eos in f for f in full)
+
+
+def test_fewer_prompts_than_rows_and_a_one_token_budget():
+    eng = engine("qwen3", "head")
+    plan = Plan(TREE, GREEDY.form, batch=8)
+    ps = prompts(3, eng.target.vocab_size, seed=3)
+    out, _ = batched(eng, plan, [Request(p, n, GREEDY) for p, n in zip(ps, (1, 9, 2))], rows=5)
+    assert [len(o) for o in out] == [1, 9, 2]
+    assert out == [alone(eng, plan, p, n) for p, n in zip(ps, (1, 9, 2))]
+
+
+def test_sampling_rows_with_their_seeds_decode_as_alone():
+    """Each row samples from its own seed's stream: the same tokens as the prompt alone with that seed."""
+    eng = engine("llama", "model")
+    rule = AcceptanceRule(SamplingConfig(temperature=0.9, top_p=0.95))
+    plan = Plan(TREE, rule.form, batch=4)
+    ps = prompts(6, eng.target.vocab_size, seed=4)
+    out, _ = batched(eng, plan, [Request(p, 16, rule, seed=10 + i) for i, p in enumerate(ps)])
+    assert out == [alone(eng, plan, p, 16, rule, 10 + i) for i, p in enumerate(ps)]
+    assert len({tuple(o) for o in out}) > 1
+
+
+def test_batch_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 100)] == [1, 2, 4, 8, 8, 16, 64, 64, 64]
+
+
+# --------------------------------------------------------------------------- sampling per row (chi-square)
+
+STAT_VOCAB = 12
+STAT_TREE = TreeConfig(total_tokens=4, depth=1, top_k=3)
+
+
+@functools.lru_cache(maxsize=None)
+def stat_setup():
+    """A one-layer model over 12 tokens, a noisy copy as drafter, a prompt, and the exact distributions of
+    the first two tokens."""
+    model = tiny_model("llama", vocab_size=STAT_VOCAB, hidden_size=32, num_layers=1, initializer_range=0.3, seed=3)
+    prompt = torch.tensor([1, 5, 3, 7])
+    with torch.no_grad():
+        first = model(prompt[None]).logits[0, -1]
+        second = model(torch.cat([prompt.expand(STAT_VOCAB, -1), torch.arange(STAT_VOCAB)[:, None]], 1)).logits[:, -1]
+    return Engine(model, None, draft_model=noisy(model, 0.2)), prompt, first, second
+
+
+def per_row_samples(n: int, rows: int, seed: int) -> dict[int, Counter]:
+    eng, prompt, _, _ = stat_setup()
+    rule = AcceptanceRule(SamplingConfig(temperature=1.0))
+    requests = [Request(prompt, 2, rule, seed=seed * n + i) for i in range(n)]
+    out, scheduler = batched(eng, Plan(STAT_TREE, rule.form, batch=rows), requests)
+    counts: dict[int, Counter] = defaultdict(Counter)
+    for i, tokens in enumerate(out):
+        counts[scheduler.row_of[i]][tuple(tokens)] += 1
+    return counts
+
+
+def exact_pairs() -> dict:
+    _, _, first, second = stat_setup()
+    p1, p2 = reference_probs(first, 1.0, 1.0), reference_probs(second, 1.0, 1.0)
+    return {(a, b): float(p1[a] * p2[a, b]) for a in range(STAT_VOCAB) for b in range(STAT_VOCAB)}
+
+
+def test_sampling_is_lossless_in_every_row_of_a_batch():
+    counts = per_row_samples(1600, 4, seed=0)
+    assert len(counts) == 4
+    for row, c in counts.items():
+        total = sum(c.values())
+        assert total >= 300
+        assert chi_square_pvalue(c, exact_pairs(), total) > 1e-3, f"row {row}"
+
+
+def test_the_per_row_test_detects_a_broken_rule(monkeypatch):
+    """Sampling the bonus without removing the rejected children skews the second token in every row."""
+    monkeypatch.setattr(verify_module, "_remove", lambda p, tokens, drop: p)
+    counts = per_row_samples(1600, 4, seed=0)
+    assert max(chi_square_pvalue(c, exact_pairs(), sum(c.values())) for c in counts.values()) < 1e-3
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("autoregressive", [False, True])
+def test_default_model_batch_equals_each_prompt_alone(autoregressive):
+    """SmolLM2-135M-Instruct with its shipped head, fp32: a list of MT-bench prompts through 2 rows (with
+    refills) gives each prompt's own greedy output."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from eval.tasks import load_mt_bench
+
+    gen = default_generator()
+    texts = [q.turns[0] for q in load_mt_bench(limit=5)]
+    many = gen.generate(texts, max_new_tokens=24, batch_size=2, autoregressive=autoregressive)
+    for text, result in zip(texts, many):
+        assert result.token_ids == gen.generate(text, max_new_tokens=24, autoregressive=autoregressive).token_ids
+
+
+@functools.lru_cache(maxsize=None)
+def default_generator():
+    from fsd_eagle import SpeculativeGenerator
+
+    return SpeculativeGenerator.load(device="cpu", dtype="float32", tree=TreeConfig(total_tokens=16, depth=5, top_k=4))
