@@ -91,14 +91,43 @@ def tiny_gemma3():
     return tiny_model("gemma3")
 
 
+def make_session(model=None, tree=None, rule=None, *, head=None, draft_model=None, engine=None,
+                 drafting: bool = True, **plan):
+    """A Session over ``engine`` (default: a new Engine of ``model`` with ``head`` or ``draft_model``, no
+    tokenizer) running ``tree`` (default TreeConfig()) under ``rule``'s form (default: greedy); ``plan``: the
+    other Plan fields (graphs, compile, attention, batch; graphs default off)."""
+    from fsd_eagle.config import TreeConfig
+    from fsd_eagle.engine import Engine
+    from fsd_eagle.session import Plan, Session
+    from fsd_eagle.verify import AcceptanceRule
+
+    if engine is None:
+        engine = Engine(model, None, head=head, draft_model=draft_model)
+    form = (rule or AcceptanceRule()).form
+    return Session(engine, Plan(tree or TreeConfig(), form, drafting=drafting, **plan))
+
+
+def decode_all(session, prompt, n, rule=None, seed=0, stats=None):
+    """``schedule.decode`` of one prompt on ``session``: (every new token id, the DecodeStats)."""
+    from fsd_eagle.decode import DecodeStats
+    from fsd_eagle.schedule import decode
+    from fsd_eagle.verify import AcceptanceRule
+
+    stats = stats if stats is not None else DecodeStats()
+    out: list[int] = []
+    for new in decode(session, prompt, n, rule or AcceptanceRule(), seed, stats):
+        out += new
+    return out, stats
+
+
 def verify(tree, logits, rule, rng=None):
     """``verify_tree`` under an AcceptanceRule: its form and values; ``rng`` a RandomStream, or an int seed
-    (a fresh stream at step 0)."""
+    (a fresh stream at step 0 for every batch row)."""
     from fsd_eagle.rng import RandomStream
     from fsd_eagle.verify import verify_tree
 
     if isinstance(rng, int):
-        rng = RandomStream.create(logits.device, rng)
+        rng = RandomStream.create(logits.device, rng, batch=logits.shape[0])
     return verify_tree(tree, logits, rule.form, rule.values(logits.device), rng)
 
 

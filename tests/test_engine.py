@@ -5,6 +5,7 @@ loop, draft-tree and verifier invariants, KV compaction, draft-head loading, and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -24,18 +25,23 @@ from conftest import tiny_model
 from fsd_eagle.attention import BACKENDS, FLEX_BLOCK, _block_mask
 from fsd_eagle.cache import SlotMask
 from fsd_eagle.config import SamplingConfig, TreeConfig
-from fsd_eagle.decode import (DecodeStats, PendingRound, RoundRunner, compiled_prefill, compiled_round, decode,
-                              plan_cache, prefill, prefill_bucket, run_round)
+from fsd_eagle.decode import (DecodeStats, RoundState, compiled_prefill, compiled_round, plan_cache, prefill,
+                              prefill_bucket, run_round)
 from fsd_eagle.drafter import EagleDrafter, ModelDrafter
+from fsd_eagle.engine import Engine
 from fsd_eagle.errors import ConfigError
 from fsd_eagle.head import EagleHead, HeadConfig
 from fsd_eagle.models import load_head, save_head
 from fsd_eagle.target import Target
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.rng import DRAW_ACCEPT, RandomStream
-from fsd_eagle.verify import AcceptanceRule
+from fsd_eagle.sampling import RuleValues
+from fsd_eagle.schedule import decode
+from fsd_eagle.session import PendingRound, Plan, Session
+import fsd_eagle.session as session_module
+from fsd_eagle.verify import AcceptanceRule, Verdict
 
-from conftest import verify
+from conftest import chi_square_pvalue, decode_all, make_session, reference_probs, verify
 
 CPU = torch.device("cpu")
 GREEDY = AcceptanceRule()
@@ -60,12 +66,11 @@ def reference_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def run_decode(target, drafter, prompt, n, tree, rule=GREEDY, seed=None):
-    stats = DecodeStats()
-    out: list[int] = []
-    for new in decode(target, drafter, prompt, n, tree, rule, seed, stats):
-        out += new
-    return out, stats
+def run_decode(engine, prompt, n, tree, rule=GREEDY, seed=0, attention="sdpa"):
+    """Decode on a fresh session of ``tree`` over ``engine`` (eager rounds with ``attention``)."""
+    session = make_session(tree=tree, rule=rule, engine=engine)
+    session.attention = attention  # eager rounds with FlexAttention: the reference form of its block masks
+    return decode_all(session, prompt, n, rule, seed)
 
 
 def noisy_copy(model, scale: float, seed: int = 1):
@@ -105,15 +110,17 @@ def arch_model(request):
 def test_target_logits_match_the_models_own_forward(arch, backend):
     """Target.prefill / forward_tree (tree masks, positions, slot cache, sliding window, soft-capping) give
     the logits of the model's default forward over prefix + root path, also after a commit, with every
-    tree-attention backend."""
+    tree-attention backend; for two batch rows at once, whose prefixes grow apart (each row is checked
+    against its own sequence)."""
     model = copy.deepcopy(cached_model(arch))  # use_attention switches the model's attention function
     target = Target(model)
     target.use_attention(backend)
-    target.allocate(64)
+    target.allocate(64, batch=2)
     gen = torch.Generator().manual_seed(3)
-    seq = torch.randint(0, 128, (10,), generator=gen)  # longer than the sliding windows (6 tokens)
-    features = target.prefill(seq)
-    torch.testing.assert_close(target.logits(features), model(seq[None]).logits[0], atol=1e-4, rtol=1e-4)
+    seqs = torch.randint(0, 128, (2, 10), generator=gen)  # longer than the sliding windows (6 tokens)
+    features = target.prefill(seqs)
+    torch.testing.assert_close(target.logits(features), model(seqs).logits, atol=1e-4, rtol=1e-4)
+    seqs = list(seqs)
     # A branching tree: 0 -> {1, 2}, 1 -> {3, 4}, 2 -> {5}, 3 -> {6}, 6 -> {7}.
     parents = torch.tensor([0, 0, 0, 1, 1, 2, 3, 6])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 3, 4])
@@ -122,17 +129,21 @@ def test_target_logits_match_the_models_own_forward(arch, backend):
     for i in range(1, n):
         anc[i] |= anc[parents[i]]
     for _round in range(2):
-        tokens = torch.randint(0, 128, (n,), generator=gen)
-        logits = target.logits(target.forward_tree(tokens, depths, anc))
-        for i in range(n):
-            path = anc[i].nonzero().flatten()
-            ref = model(torch.cat([seq, tokens[path]])[None]).logits[0, -1]
-            torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
-        # Commit the branch 0-1-3-6-7 (not a contiguous block of slots) and grow the reference sequence.
-        path = torch.tensor([0, 1, 3, 6, 7])
-        target.commit(path, torch.tensor(5))
-        seq = torch.cat([seq, tokens[path]])
-        assert int(target.length) == seq.shape[0]
+        tokens = torch.randint(0, 128, (2, n), generator=gen)
+        logits = target.logits(target.forward_tree(tokens, depths.expand(2, n), anc.expand(2, n, n)))
+        for b in range(2):
+            for i in range(n):
+                path = anc[i].nonzero().flatten()
+                ref = model(torch.cat([seqs[b], tokens[b, path]])[None]).logits[0, -1]
+                torch.testing.assert_close(logits[b, i], ref, atol=1e-4, rtol=1e-4)
+        # Row 0 commits the branch 0-1-3-6-7 (not a contiguous block of slots), row 1 the branch 0-2-5
+        # (padded by repeating its last node); grow the reference sequences.
+        paths = torch.tensor([[0, 1, 3, 6, 7], [0, 2, 5, 5, 5]])
+        accepted = torch.tensor([5, 3])
+        target.commit(paths, accepted)
+        for b in range(2):
+            seqs[b] = torch.cat([seqs[b], tokens[b, paths[b, : accepted[b]]]])
+        assert target.length.tolist() == [seqs[0].shape[0], seqs[1].shape[0]]
 
 
 @torch.no_grad()
@@ -147,15 +158,18 @@ def test_sliding_window_matters_at_these_lengths(arch):
     assert (model(ids[:, :6]).logits - wide(ids[:, :6]).logits).abs().max() < 1e-5
 
 
-def _drafter(kind: str, model, target):
+def _engine(kind: str, model) -> Engine:
+    """``model`` with a drafter of ``kind`` (None: no drafter)."""
     if kind == "eagle":  # a random head: its drafts are rarely accepted
         with torch.random.fork_rng():
             torch.manual_seed(5)
-            return EagleDrafter(EagleHead(HeadConfig.for_target(model.config)).eval(), target)
+            return Engine(model, None, head=EagleHead(HeadConfig.for_target(model.config)).eval())
     if kind == "noisy":
-        return ModelDrafter(Target(noisy_copy(model, 0.1)))
+        return Engine(model, None, draft_model=noisy_copy(model, 0.1))
     if kind == "self":
-        return ModelDrafter(Target(model))  # its own Target (own cache) over the same weights
+        return Engine(model, None, draft_model=model)  # a session's own Target (own cache) over the same weights
+    if kind is None:
+        return Engine(model, None)
     raise ValueError(kind)
 
 
@@ -185,34 +199,38 @@ def test_greedy_decoding_is_exact_with_flex_attention(arch):
 def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed):
     """SlotMask.dense is the mask spelled out (committed slots, then the new slots by anc, then a window on
     positions), and the FlexAttention block lists cover it: a "full" block is seen whole by every row, a
-    skipped block by none."""
+    skipped block by none. Two batch rows with other prefixes, trees and positions, each checked alone."""
     gen = torch.Generator().manual_seed(seed)
     m = n + m_extra if window is None else n  # a windowed mask's new slots are its own rows
-    anc = torch.rand(n, m, generator=gen) < 0.5
+    prefixes = [prefix, int(torch.randint(0, prefix + 1, (1,), generator=gen))]
+    anc = torch.rand(2, n, m, generator=gen) < 0.5
     slots = -(-(prefix + m + 1) // FLEX_BLOCK) * FLEX_BLOCK + FLEX_BLOCK * int(seed % 2)
-    mask = SlotMask(torch.tensor(prefix), anc, slots)
-    positions = prefix + torch.randint(0, m + 1, (n,), generator=gen)
+    mask = SlotMask(torch.tensor(prefixes), anc, slots)
+    positions = torch.tensor(prefixes).unsqueeze(1) + torch.randint(0, m + 1, (2, n), generator=gen)
     if window is not None:
         mask = mask.windowed(positions, window)
-    ref = torch.zeros(n, slots, dtype=torch.bool)
-    ref[:, :prefix] = True
-    ref[:, prefix: prefix + m] = anc
-    if window is not None:
-        key_pos = torch.arange(slots)
-        key_pos[prefix: prefix + m] = positions
-        ref &= positions.unsqueeze(1) - key_pos.unsqueeze(0) < window
-    assert torch.equal(mask.dense(), ref)
+    dense = mask.dense()
+    assert dense.shape == (2, n, slots)
     block = _block_mask(mask)
     lists = ((block.kv_num_blocks, block.kv_indices), (block.full_kv_num_blocks, block.full_kv_indices))
-    for q_block in range(-(-n // FLEX_BLOCK)):
-        rows = ref[q_block * FLEX_BLOCK: (q_block + 1) * FLEX_BLOCK].view(-1, slots // FLEX_BLOCK, FLEX_BLOCK)
-        listed = torch.zeros(slots // FLEX_BLOCK, dtype=torch.bool)
-        for full, (count, index) in enumerate(lists):
-            chosen = index[0, 0, q_block, : int(count[0, 0, q_block])].long()
-            assert not listed[chosen].any()  # a block is either full or partial
-            listed[chosen] = True
-            assert not full or rows[:, chosen].all()
-        assert not rows[:, ~listed].any()
+    for b, pre in enumerate(prefixes):
+        ref = torch.zeros(n, slots, dtype=torch.bool)
+        ref[:, :pre] = True
+        ref[:, pre: pre + m] = anc[b]
+        if window is not None:
+            key_pos = torch.arange(slots)
+            key_pos[pre: pre + m] = positions[b]
+            ref &= positions[b].unsqueeze(1) - key_pos.unsqueeze(0) < window
+        assert torch.equal(dense[b], ref)
+        for q_block in range(-(-n // FLEX_BLOCK)):
+            rows = ref[q_block * FLEX_BLOCK: (q_block + 1) * FLEX_BLOCK].view(-1, slots // FLEX_BLOCK, FLEX_BLOCK)
+            listed = torch.zeros(slots // FLEX_BLOCK, dtype=torch.bool)
+            for full, (count, index) in enumerate(lists):
+                chosen = index[b, 0, q_block, : int(count[b, 0, q_block])].long()
+                assert not listed[chosen].any()  # a block is either full or partial
+                listed[chosen] = True
+                assert not full or rows[:, chosen].all()
+            assert not rows[:, ~listed].any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton top-k runs on CUDA only")
@@ -251,21 +269,17 @@ def test_attention_backend_errors(tiny_llama, tiny_gemma3):
 
 def check_greedy_exact(arch, model, kind, seeds, backend="sdpa"):
     """decode == the reference loop for every tree shape (and AR decoding), with acceptance checks."""
-    target = Target(model)
-    drafter = _drafter(kind, model, target)
-    target.use_attention(backend)
-    if isinstance(drafter, ModelDrafter):
-        drafter.model.use_attention(backend)
+    engine = _engine(kind, model)
     n_new = 24
     rejected_somewhere = False
     for seed in seeds:
         prompt = random_prompt(seed, 128)
         ref = reference_greedy(model, prompt, n_new)
-        ar, ar_stats = run_decode(target, None, prompt, n_new, TreeConfig(total_tokens=1))
+        ar, ar_stats = run_decode(engine, prompt, n_new, TreeConfig(total_tokens=1), attention=backend)
         assert ar == ref
         assert ar_stats.target_forwards == n_new
         for name, tree in TREES.items():
-            out, stats = run_decode(target, drafter, prompt, n_new, tree)
+            out, stats = run_decode(engine, prompt, n_new, tree, attention=backend)
             assert out == ref, f"{arch} {kind} seed {seed} tree {name}"
             assert stats.new_tokens == n_new
             assert all(1 <= a <= tree.depth + 1 for a in stats.accept_lengths)
@@ -284,13 +298,11 @@ def check_greedy_exact(arch, model, kind, seeds, backend="sdpa"):
 
 
 def test_decode_yields_at_most_max_new_tokens(tiny_llama):
-    target = Target(tiny_llama)
-    drafter = _drafter("self", tiny_llama, target)
     prompt = random_prompt(0, 128)
     ref = reference_greedy(tiny_llama, prompt, 9)
     for n in (0, 1, 2, 9):
-        for d in (None, drafter):
-            out, stats = run_decode(target, d, prompt, n, TREES["chain"])
+        for kind in (None, "self"):
+            out, stats = run_decode(_engine(kind, tiny_llama), prompt, n, TREES["chain"])
             assert out == ref[:n] and stats.new_tokens == n
 
 
@@ -318,33 +330,48 @@ class PathDrafter:
         return self.table[path]
 
     def logits(self, states: torch.Tensor, full: bool = False) -> torch.Tensor:
-        q = torch.stack([self.logits_for(self.path_of(s)) for s in states])
-        return q if full or self.vocab is None else q[:, self.vocab]
+        flat = states.reshape(-1, states.shape[-1])
+        q = torch.stack([self.logits_for(self.path_of(s)) for s in flat]).view(*states.shape[:-1], self.n_vocab)
+        return q if full or self.vocab is None else q[..., self.vocab]
 
-    def root(self, root_token: int):
-        state = torch.full((self.cfg.depth + 1,), -1.0)
-        state[0] = root_token
-        return self.logits(state[None])[0], state
+    def root(self, root_tokens: list[int]):
+        """Draft logits ``[B, V_d]`` and states ``[B, s]`` of batch rows rooted at ``root_tokens``."""
+        state = torch.full((len(root_tokens), self.cfg.depth + 1), -1.0)
+        state[:, 0] = torch.tensor(root_tokens, dtype=torch.float)
+        return self.logits(state), state
 
     @staticmethod
     def path_of(state: torch.Tensor) -> tuple:
         return tuple(int(t) for t in state.tolist() if t >= 0)
 
     def step(self, depth, tokens, states, rows_anc):
-        k = self.cfg.top_k
-        assert tokens.shape == (k,) and states.shape[0] == k
-        assert rows_anc.shape == (k, (self.cfg.depth - 1) * k) and rows_anc.dtype == torch.bool
+        k, b = self.cfg.top_k, tokens.shape[0]
+        assert tokens.shape == (b, k) and states.shape[:2] == (b, k)
+        assert rows_anc.shape == (b, k, (self.cfg.depth - 1) * k) and rows_anc.dtype == torch.bool
         out = states.clone()
-        out[:, depth] = tokens.float()
-        paths = [self.path_of(s) for s in out]
-        for j, path in enumerate(paths):
-            assert len(path) == depth + 1
-            self.rows[(depth - 1) * k + j] = path
-        for j, path in enumerate(paths):
-            seen = {r for r in rows_anc[j].nonzero().flatten().tolist()}
-            want = {r for r in range(depth * k) if self.rows.get(r) == path[: r // k + 2]}
-            assert seen == want, (depth, j)
+        out[:, :, depth] = tokens.float()
+        for row in range(b):  # each batch row's draft rows, seen by that row's frontier only
+            paths = [self.path_of(s) for s in out[row]]
+            for j, path in enumerate(paths):
+                assert len(path) == depth + 1
+                self.rows[(row, (depth - 1) * k + j)] = path
+            for j, path in enumerate(paths):
+                seen = {r for r in rows_anc[row, j].nonzero().flatten().tolist()}
+                want = {r for r in range(depth * k) if self.rows.get((row, r)) == path[: r // k + 2]}
+                assert seen == want, (row, depth, j)
         return self.logits(out), out
+
+
+class Row:
+    """Row ``b`` of a batched DraftTree without the batch dimension (what the checks below read)."""
+
+    FIELDS = ("tokens", "parents", "depths", "anc", "scores", "q_logits", "q_row")
+
+    def __init__(self, tree, b: int = 0) -> None:
+        for name in self.FIELDS:
+            value = getattr(tree, name)
+            setattr(self, name, None if value is None else value[b])
+        self.max_depth, self.size = tree.max_depth, tree.size
 
 
 def node_paths(tree) -> list[tuple]:
@@ -376,15 +403,35 @@ tree_shapes = st.tuples(st.integers(1, 120), st.integers(1, 6), st.integers(1, 6
                         st.integers(0, 10_000))
 
 
-def _make_tree(shape, ties=False, scale=3.0, subset=False):
+def _make_tree(shape, ties=False, scale=3.0, subset=False, roots=None):
+    """A batch of trees ``[B, ...]`` rooted at ``roots`` (default: one row, rooted at seed % vocab)."""
     total, depth, k, n_vocab, seed = shape
     cfg = TreeConfig(total_tokens=total, depth=depth, top_k=k)
     # A draft vocabulary: a random half of the tokens (at least k), as sorted ids.
     vocab = torch.randperm(n_vocab, generator=torch.Generator().manual_seed(seed))[: max(k, n_vocab // 2)].sort().values
     drafter = PathDrafter(n_vocab, cfg, seed, scale=scale, ties=ties, vocab=vocab if subset else None)
-    root_token = seed % n_vocab
-    root_logits, root_state = drafter.root(root_token)
-    return draft_tree(drafter, torch.tensor(root_token), root_logits, root_state, cfg, with_q=True), drafter, cfg
+    roots = [seed % n_vocab] if roots is None else roots
+    root_logits, root_state = drafter.root(roots)
+    return draft_tree(drafter, torch.tensor(roots), root_logits, root_state, cfg, with_q=True), drafter, cfg
+
+
+def _rows_of(tree) -> list:
+    return [Row(tree, b) for b in range(tree.batch)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=tree_shapes, ties=st.booleans(), subset=st.booleans())
+def test_draft_tree_rows_are_drafted_as_alone(shape, ties, subset):
+    """Two batch rows with other roots: each row's tree (nodes, scores, q logits) is the tree of its root
+    drafted alone."""
+    n_vocab, seed = shape[3], shape[4]
+    roots = [seed % n_vocab, (seed * 7 + 3) % n_vocab]
+    both = _make_tree(shape, ties, subset=subset, roots=roots)[0]
+    assert both.batch == 2
+    for b, root in enumerate(roots):
+        alone = _make_tree(shape, ties, subset=subset, roots=[root])[0]
+        for name in Row.FIELDS:
+            torch.testing.assert_close(getattr(both, name)[b], getattr(alone, name)[0], rtol=0, atol=0, msg=name)
 
 
 @settings(max_examples=80, deadline=None)
@@ -393,6 +440,7 @@ def test_draft_tree_invariants(shape, ties, scale, subset):
     """Tree structure, scores and q rows; with a draft vocabulary, children come from it only, scores are
     log-probs normalised over it, and q_logits still hold the whole distribution."""
     tree, drafter, cfg = _make_tree(shape, ties, scale, subset)
+    tree = Row(tree)
     n, k = tree.size, cfg.top_k
     assert n == min(cfg.total_tokens, 1 + k + (cfg.depth - 1) * k * k)
     parents, depths, anc, scores = tree.parents.tolist(), tree.depths.tolist(), tree.anc, tree.scores
@@ -437,6 +485,7 @@ def test_draft_tree_invariants(shape, ties, scale, subset):
 def test_draft_tree_keeps_the_best_eagle2_candidates(shape):
     """Without score ties, the kept nodes are the total_tokens - 1 best of the EAGLE-2 candidates."""
     tree, drafter, cfg = _make_tree(shape)
+    tree = Row(tree)
     cands, expanded = reference_candidates(drafter, int(tree.tokens[0]), cfg)
     paths = node_paths(tree)
     kept = paths[1:]
@@ -471,51 +520,80 @@ def _check_root_path(tree, verdict) -> list[int]:
     return path[:a]
 
 
+def _verdict_row(verdict, b: int):
+    """Row ``b`` of a batched Verdict, without the batch dimension."""
+    return Verdict(*(getattr(verdict, f.name)[b] for f in dataclasses.fields(Verdict)))
+
+
+def _assert_same_verdict(got, want) -> None:
+    for f in dataclasses.fields(Verdict):
+        torch.testing.assert_close(getattr(got, f.name), getattr(want, f.name), rtol=0, atol=0, msg=f.name)
+
+
+def _two_row_trees(shape, ties=False, boost=0.6):
+    """Two batch rows (other roots, other target logits ``[2, n, V]``), and each row's tree alone."""
+    vocab, seed = shape[3], shape[4]
+    tree = _make_tree(shape, ties, roots=[seed % vocab, (seed * 7 + 3) % vocab])[0]
+    logits = torch.stack([_target_logits_for(Row(tree, b), vocab, seed + b, boost) for b in range(2)])
+    alone = [_make_tree(shape, ties, roots=[int(tree.tokens[b, 0])])[0] for b in range(2)]
+    return tree, logits, alone
+
+
 @settings(max_examples=60, deadline=None)
 @given(shape=tree_shapes, ties=st.booleans())
 def test_verify_greedy_accepts_the_greedy_root_path(shape, ties):
-    tree, _, _ = _make_tree(shape, ties)
-    vocab, seed = shape[3], shape[4]
-    logits = _target_logits_for(tree, vocab, seed)
-    verdict = verify(tree, logits, GREEDY)
-    path = _check_root_path(tree, verdict)
-    argmax, parents, tokens = logits.argmax(-1).tolist(), tree.parents.tolist(), tree.tokens.tolist()
-    # Independent walk: follow the child that carries the target's argmax while there is one.
-    walk = [0]
-    while True:
-        kids = [c for c in range(1, tree.size) if parents[c] == walk[-1] and tokens[c] == argmax[walk[-1]]]
-        if not kids:
-            break
-        assert len(kids) == 1
-        walk.append(kids[0])
-    assert path == walk
-    for prev, node in zip(path, path[1:]):
-        assert tokens[node] == argmax[prev]
-    assert int(verdict.bonus) == argmax[path[-1]]
-    assert int(verdict.fuzzy_extra) == 0
+    """Each of two batch rows: the greedy root path of its tree, the verdict its tree gets alone."""
+    batch, batch_logits, alone = _two_row_trees(shape, ties)
+    verdicts = verify(batch, batch_logits, GREEDY)
+    for b in range(2):
+        _assert_same_verdict(_verdict_row(verdicts, b), _verdict_row(verify(alone[b], batch_logits[b:b + 1], GREEDY), 0))
+        tree, logits, verdict = Row(batch, b), batch_logits[b], _verdict_row(verdicts, b)
+        path = _check_root_path(tree, verdict)
+        argmax, parents, tokens = logits.argmax(-1).tolist(), tree.parents.tolist(), tree.tokens.tolist()
+        # Independent walk: follow the child that carries the target's argmax while there is one.
+        walk = [0]
+        while True:
+            kids = [c for c in range(1, tree.size) if parents[c] == walk[-1] and tokens[c] == argmax[walk[-1]]]
+            if not kids:
+                break
+            assert len(kids) == 1
+            walk.append(kids[0])
+        assert path == walk
+        for prev, node in zip(path, path[1:]):
+            assert tokens[node] == argmax[prev]
+        assert int(verdict.bonus) == argmax[path[-1]]
+        assert int(verdict.fuzzy_extra) == 0
 
 
 @settings(max_examples=30, deadline=None)
 @given(shape=tree_shapes, temperature=st.sampled_from([0.5, 1.0, 2.0]), top_p=st.sampled_from([0.5, 0.9, 1.0]))
 def test_verify_sampling_accepts_a_root_path(shape, temperature, top_p):
-    tree, _, _ = _make_tree(shape)
-    vocab, seed = shape[3], shape[4]
-    logits = _target_logits_for(tree, vocab, seed, boost=0.3)
+    """Each of two batch rows (each with its own seed): a root path the sampling rule can take, and the
+    verdict its tree gets alone with that seed."""
+    batch, batch_logits, alone = _two_row_trees(shape, boost=0.3)
+    seed = shape[4]
     rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
-    rng = RandomStream.create("cpu", seed)
-    probs = reference_probs(logits, temperature, top_p)
-    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    rng = RandomStream.create("cpu", seed, batch=2)
+    rng.reseed(seed + 1, 1)
+    rngs = [RandomStream.create("cpu", seed + b) for b in range(2)]
     for _ in range(3):
-        verdict = verify(tree, logits, rule, rng)
+        verdicts = verify(batch, batch_logits, rule, rng)
+        for b in range(2):
+            _assert_same_verdict(_verdict_row(verdicts, b),
+                                 _verdict_row(verify(alone[b], batch_logits[b:b + 1], rule, rngs[b]), 0))
+            rngs[b].advance()
+            tree, verdict = Row(batch, b), _verdict_row(verdicts, b)
+            probs = reference_probs(batch_logits[b], temperature, top_p)
+            parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+            path = _check_root_path(tree, verdict)
+            for prev, node in zip(path, path[1:]):
+                assert probs[prev, tokens[node]] > 0
+            last, bonus = path[-1], int(verdict.bonus)
+            assert probs[last, bonus] > 0
+            kids = {tokens[c] for c in range(1, tree.size) if parents[c] == last}
+            if 1 - sum(float(probs[last, t]) for t in kids) > 1e-6:
+                assert bonus not in kids  # the bonus comes from the residual without the rejected children
         rng.advance()
-        path = _check_root_path(tree, verdict)
-        for prev, node in zip(path, path[1:]):
-            assert probs[prev, tokens[node]] > 0
-        last, bonus = path[-1], int(verdict.bonus)
-        assert probs[last, bonus] > 0
-        kids = {tokens[c] for c in range(1, tree.size) if parents[c] == last}
-        if 1 - sum(float(probs[last, t]) for t in kids) > 1e-6:
-            assert bonus not in kids  # the bonus comes from the residual without the rejected children
 
 
 # ----------------------------------------------------------------------------------- 3. KV compaction
@@ -525,8 +603,8 @@ def test_verify_sampling_accepts_a_root_path(shape, temperature, top_p):
 @pytest.mark.parametrize("kind", ["noisy", "eagle"])
 def test_kv_cache_after_rounds_equals_a_fresh_prefill(arch_model, kind):
     arch, model = arch_model
-    target = Target(model)
-    drafter = _drafter(kind, model, target)
+    session = make_session(tree=TREES["default"], engine=_engine(kind, model))
+    target, drafter = session.target, session.drafter
     prompt = random_prompt(2, 128)
     fresh = Target(model)
     generated: list[int] = []
@@ -534,36 +612,36 @@ def test_kv_cache_after_rounds_equals_a_fresh_prefill(arch_model, kind):
     roots = []  # the draft root (logits, state) after each prefill / commit
     for name in ("prefill", "commit"):
         method = getattr(drafter, name)
-        setattr(drafter, name, lambda *a, _method=method: roots.append(_method(*a)) or roots[-1])
-    rounds = decode(target, drafter, prompt, 200, TREES["default"], GREEDY, None, DecodeStats())
+        setattr(drafter, name, lambda *a, _method=method, **kw: roots.append(_method(*a, **kw)) or roots[-1])
+    rounds = decode(session, prompt, 200, GREEDY)
     for _, new in zip(range(7), rounds):
         generated += new
         multi |= len(new) >= 3
         committed = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long)])
         L = committed.shape[0]
-        assert int(target.length) == L
+        assert target.length.tolist() == [L]
         fresh.allocate(L + 1)
-        features = fresh.prefill(committed)
+        features = fresh.prefill(committed[None])
         for got, want in zip(target.cache.keys + target.cache.values, fresh.cache.keys + fresh.cache.values):
-            torch.testing.assert_close(got[:, :, :L], want[:, :, :L], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got[..., :L, :], want[..., :L, :], atol=1e-5, rtol=1e-4)
         if kind == "noisy":  # the draft model's cache holds the root too
             ref = Target(drafter.model.model)
             ref.allocate(L + 2)
-            f = ref.prefill(torch.cat([committed, torch.tensor(generated[-1:])]))
-            want_root = (ref.logits(f[-1:])[0], f[-1])
-            assert int(drafter.length) == L + 1
+            f = ref.prefill(torch.cat([committed, torch.tensor(generated[-1:])])[None])
+            want_root = (ref.logits(f[:, -1]), f[:, -1])
+            assert drafter.length.tolist() == [L + 1]
             pairs = zip(drafter.model.cache.keys + drafter.model.cache.values, ref.cache.keys + ref.cache.values)
             n = L + 1
         else:  # the head's rows t read (e(x_{t+1}), f_t)
             ref = EagleDrafter(drafter.head, fresh)
             ref.allocate(L + 1, TREES["default"])
-            root = ref.prefill(torch.cat([committed, torch.tensor(generated[-1:])]), features)
+            root = ref.prefill(torch.cat([committed, torch.tensor(generated[-1:])])[None], features)
             want_root = (root.logits, root.state)
-            assert int(drafter.length) == L
+            assert drafter.length.tolist() == [L]
             pairs = zip([drafter.cache.keys, drafter.cache.values], [ref.cache.keys, ref.cache.values])
             n = L
         for got, want in pairs:
-            torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got[..., :n, :], want[..., :n, :], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(roots[-1].logits, want_root[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(roots[-1].state, want_root[1], atol=1e-5, rtol=1e-4)
     if kind == "noisy":
@@ -597,10 +675,9 @@ def test_drafted_logits_match_a_plain_forward_of_the_drafter(arch_model, kind, d
     import fsd_eagle.decode as decode_module
 
     arch, model = arch_model
-    target = Target(model)
-    drafter = _drafter(kind, model, target)
+    engine = _engine(kind, model)
     if draft_vocab:
-        drafter.head.token_ranking = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+        engine.head.token_ranking = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1))
     trees = []
     real_draft_tree = decode_module.draft_tree
     monkeypatch.setattr(decode_module, "draft_tree",
@@ -608,9 +685,11 @@ def test_drafted_logits_match_a_plain_forward_of_the_drafter(arch_model, kind, d
     prompt = random_prompt(3, 128)
     generated: list[int] = []
     cfg = TreeConfig(total_tokens=20, depth=4, top_k=3, draft_vocab=draft_vocab)
-    for _, new in zip(range(4), decode(target, drafter, prompt, 200, cfg, GREEDY, None, DecodeStats())):
+    session = make_session(tree=cfg, engine=engine)
+    drafter = session.drafter
+    for _, new in zip(range(4), decode(session, prompt, 200, GREEDY)):
         if trees:  # the tree of the round that just ended, drafted after the tokens generated before it
-            tree = trees[-1]
+            tree = Row(trees[-1])
             committed = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long)])
             assert int(tree.tokens[0]) == generated[-1]
             for i in range(tree.size):
@@ -623,7 +702,7 @@ def test_drafted_logits_match_a_plain_forward_of_the_drafter(arch_model, kind, d
                     ref = reference_eagle_logits(drafter.head, model, committed, path_tokens)
                 torch.testing.assert_close(tree.q_logits[tree.q_row[i]], ref, atol=1e-4, rtol=1e-4)
             if draft_vocab:
-                assert torch.isin(tree.tokens[1:], drafter.head.token_ranking[:draft_vocab]).all()
+                assert torch.isin(tree.tokens[1:], engine.head.token_ranking[:draft_vocab]).all()
         generated += new
     assert len(trees) == 3
 
@@ -690,12 +769,11 @@ def test_head_runs_the_published_layers_with_fused_linears(tiny_llama, qkv_bias)
 
 
 def _assert_decodes_exactly(model, head):
-    target = Target(model)
-    drafter = EagleDrafter(head, target)
+    engine = Engine(model, None, head=head)
     prompt = random_prompt(4, 128)
     ref = reference_greedy(model, prompt, 16)
     for tree in (TREES["default"], TREES["chain"]):
-        assert run_decode(target, drafter, prompt, 16, tree)[0] == ref
+        assert run_decode(engine, prompt, 16, tree)[0] == ref
 
 
 @pytest.mark.parametrize("arch,weights_file", [("llama", "pytorch_model.bin"), ("llama", "model.safetensors"),
@@ -749,45 +827,6 @@ def test_own_head_format_round_trip(tmp_path, tiny_llama):
 # ------------------------------------------------------------------- 5. sampling is lossless
 
 
-def reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """softmax(logits / T) restricted to the smallest top set with mass >= top_p (float64, renormalized)."""
-    p = torch.softmax(logits.double() / temperature, -1)
-    if top_p < 1.0:
-        sorted_p, order = p.sort(-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p
-        keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < top_p)
-        p = torch.where(keep, p, 0.0)
-        p = p / p.sum(-1, keepdim=True)
-    return p
-
-
-def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
-    """Goodness of fit of ``counts`` to the probabilities ``expected`` (cells with an expected count below
-    5 are pooled); p-value via the regularized upper incomplete gamma function."""
-    if not set(counts) <= {c for c, p in expected.items() if p > 0}:
-        return 0.0  # a sample the model cannot produce
-    cells = sorted(expected, key=lambda c: expected[c])
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for c in cells:
-        e = expected[c] * n
-        if e < 5:
-            pool_o, pool_e = pool_o + counts.get(c, 0), pool_e + e
-        else:
-            obs.append(counts.get(c, 0))
-            exp.append(e)
-    if pool_e > 0:
-        if pool_e < 5 and exp:  # still too small: merge with the smallest big cell
-            obs[0], exp[0] = obs[0] + pool_o, exp[0] + pool_e
-        else:
-            obs.append(pool_o)
-            exp.append(pool_e)
-    obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
-    stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
-    df = len(obs) - 1
-    assert df >= 3
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
 STAT_VOCAB = 12
 
 
@@ -798,7 +837,7 @@ def make_stat_setup():
     with torch.no_grad():
         first = model(prompt[None]).logits[0, -1]
         second = model(torch.cat([prompt.expand(STAT_VOCAB, -1), torch.arange(STAT_VOCAB)[:, None]], 1)).logits[:, -1]
-    return model, Target(model), ModelDrafter(Target(noisy_copy(model, 0.2))), prompt, first, second
+    return model, Engine(model, None, draft_model=noisy_copy(model, 0.2)), prompt, first, second
 
 
 @pytest.fixture(scope="module")
@@ -816,12 +855,16 @@ def exact_pair_distribution(first, second, temperature, top_p) -> dict:
 STAT_TREE = TreeConfig(total_tokens=4, depth=1, top_k=3)
 
 
-def sample_pairs(setup, rule, n, seed, tree=STAT_TREE):
-    _, target, drafter, prompt, _, _ = setup
+def sample_pairs(setup, rule, n, seed, tree=STAT_TREE, ranking=None):
+    """n two-token decodes, each with its own seed, on one session (draft vocabulary: ``ranking``)."""
+    _, engine, prompt, _, _ = setup
+    session = make_session(tree=tree, rule=rule, engine=engine)
+    if ranking is not None:
+        session.drafter.ranking = ranking
     counts: Counter = Counter()
     accepted = 0
     for i in range(n):
-        out, stats = run_decode(target, drafter, prompt, 2, tree, rule, seed * n + i)
+        out, stats = decode_all(session, prompt, 2, rule, seed * n + i)
         counts[tuple(out)] += 1
         accepted += stats.accept_lengths[0] > 1
     return counts, accepted / n
@@ -832,17 +875,17 @@ def test_sampling_decode_is_lossless(stat_setup, temperature, top_p, n):
     rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
     counts, accept_rate = sample_pairs(stat_setup, rule, n, seed=0)
     assert accept_rate > 0.3  # the draft's children are really accepted, often
-    expected = exact_pair_distribution(stat_setup[4], stat_setup[5], temperature, top_p)
+    expected = exact_pair_distribution(stat_setup[3], stat_setup[4], temperature, top_p)
     assert chi_square_pvalue(counts, expected, n) > 1e-3
 
 
 def test_sampling_with_a_draft_vocabulary_is_lossless(stat_setup):
     """Drafting among half the tokens changes which children are proposed, never the output distribution."""
-    model, target, drafter, prompt, first, second = stat_setup
-    ranked = ModelDrafter(drafter.model, ranking=torch.randperm(STAT_VOCAB, generator=torch.Generator().manual_seed(4)))
+    first, second = stat_setup[3:]
+    ranking = torch.randperm(STAT_VOCAB, generator=torch.Generator().manual_seed(4))
     rule = AcceptanceRule(SamplingConfig(temperature=1.0))
-    setup = (model, target, ranked, prompt, first, second)
-    counts, accept_rate = sample_pairs(setup, rule, 2000, seed=1, tree=TreeConfig(4, 1, 3, draft_vocab=STAT_VOCAB // 2))
+    counts, accept_rate = sample_pairs(stat_setup, rule, 2000, seed=1, tree=TreeConfig(4, 1, 3, draft_vocab=STAT_VOCAB // 2),
+                                       ranking=ranking)
     assert accept_rate > 0.2
     assert chi_square_pvalue(counts, exact_pair_distribution(first, second, 1.0, 1.0), 2000) > 1e-3
 
@@ -868,12 +911,13 @@ def test_sampling_test_detects_a_broken_rule(stat_setup, monkeypatch, broken):
     rule = AcceptanceRule(SamplingConfig(temperature=1.0))
     n = 400  # the effect is large: p-values below 1e-13 at 600 samples
     counts, _ = sample_pairs(stat_setup, rule, n, seed=0)
-    expected = exact_pair_distribution(stat_setup[4], stat_setup[5], 1.0, 1.0)
+    expected = exact_pair_distribution(stat_setup[3], stat_setup[4], 1.0, 1.0)
     assert chi_square_pvalue(counts, expected, n) < 1e-3
 
 
-def _synthetic_tree():
-    """root(0) -> children tokens 2, 0, 4 (draft order); node 1 (token 2) -> 1, 3; node 4 (token 1) -> 5."""
+def _synthetic_tree(batch: int = 1):
+    """root(0) -> children tokens 2, 0, 4 (draft order); node 1 (token 2) -> 1, 3; node 4 (token 1) -> 5;
+    the same tree in each of ``batch`` rows."""
     from fsd_eagle.tree import DraftTree
 
     tokens = torch.tensor([5, 2, 0, 4, 1, 3, 5])
@@ -884,7 +928,8 @@ def _synthetic_tree():
     anc = torch.eye(n, dtype=torch.bool)
     for i in range(1, n):
         anc[i] |= anc[parents[i]]
-    return DraftTree(tokens, parents, depths, anc, scores, None, torch.full((n,), -1), max_depth=3)
+    rows = [t.expand(batch, *t.shape) for t in (tokens, parents, depths, anc, scores)]
+    return DraftTree(*rows, None, torch.full((batch, n), -1), max_depth=3)
 
 
 def exact_sequence_distribution(tree, probs: torch.Tensor) -> dict:
@@ -910,15 +955,24 @@ def exact_sequence_distribution(tree, probs: torch.Tensor) -> dict:
     return dist
 
 
+SAMPLE_ROWS = 50
+
+
 def sample_verify(tree, logits, rule, n, seed):
-    rng = RandomStream.create("cpu", seed)
+    """n verdicts of ``tree`` (a batch of SAMPLE_ROWS copies, each row with its own seed) under ``logits``
+    ``[n_nodes, V]``: n / SAMPLE_ROWS steps of every row's stream."""
+    b = tree.batch
+    rng = RandomStream.create("cpu", batch=b)
+    for row in range(b):
+        rng.reseed(seed * b + row, row)
     counts: Counter = Counter()
-    for _ in range(n):
-        v = verify(tree, logits, rule, rng)
+    for _ in range(n // b):
+        v = verify(tree, logits.expand(b, *logits.shape), rule, rng)
         rng.advance()
-        a = int(v.n_accepted)
-        seq = tuple(int(t) for t in tree.tokens[v.path[1:a]].tolist()) + (int(v.bonus),)
-        counts[seq] += 1
+        for row in range(b):
+            a = int(v.n_accepted[row])
+            seq = tuple(int(t) for t in tree.tokens[row, v.path[row, 1:a]].tolist()) + (int(v.bonus[row]),)
+            counts[seq] += 1
     return counts
 
 
@@ -935,11 +989,11 @@ SYNTH_LOGITS = torch.tensor([
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_verify_sampling_matches_the_target_distribution(temperature, top_p):
-    tree = _synthetic_tree()
+    tree = _synthetic_tree(SAMPLE_ROWS)
     rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
     n = 2500
     counts = sample_verify(tree, SYNTH_LOGITS, rule, n, seed=1)
-    expected = exact_sequence_distribution(tree, reference_probs(SYNTH_LOGITS, temperature, top_p))
+    expected = exact_sequence_distribution(Row(tree), reference_probs(SYNTH_LOGITS, temperature, top_p))
     assert abs(sum(expected.values()) - 1) < 1e-9
     assert sum(c for s, c in counts.items() if len(s) > 2) > 0.1 * n  # deep paths are exercised
     assert chi_square_pvalue(counts, expected, n) > 1e-3
@@ -948,22 +1002,24 @@ def test_verify_sampling_matches_the_target_distribution(temperature, top_p):
 @pytest.mark.parametrize("broken", sorted(BROKEN))
 def test_verify_statistical_test_detects_a_broken_rule(monkeypatch, broken):
     BROKEN[broken](monkeypatch)
-    tree = _synthetic_tree()
+    tree = _synthetic_tree(SAMPLE_ROWS)
     n = 1000
     counts = sample_verify(tree, SYNTH_LOGITS, AcceptanceRule(SamplingConfig(temperature=1.0)), n, seed=1)
-    expected = exact_sequence_distribution(tree, reference_probs(SYNTH_LOGITS, 1.0, 1.0))
+    expected = exact_sequence_distribution(Row(tree), reference_probs(SYNTH_LOGITS, 1.0, 1.0))
     assert chi_square_pvalue(counts, expected, n) < 1e-3
 
 
 # ------------------------------------------------------------- 6. pipelined rounds and compiled rounds
 
 
-class AheadRunner(RoundRunner):
-    """Eager rounds that ``decode`` launches one round ahead of reading, as it does with CUDA graphs."""
+class AheadSession(Session):
+    """Eager rounds that the scheduler launches one round ahead of reading, as it does with CUDA graphs, and
+    prompts padded to their bucket, as graph sessions pad them (their prefill runs eagerly where it does
+    not capture: ``capture_first`` must be patched to find nothing)."""
 
     def __init__(self, *args) -> None:
-        super().__init__(*args, use_graph=False)
-        self.use_graph = True  # decode() pipelines graph runners
+        super().__init__(*args)
+        self.use_graph = True  # the scheduler pipelines graph sessions
         self.launches = 0
         self.events: list[str] = []  # "launch" / "read", in order
 
@@ -973,93 +1029,97 @@ class AheadRunner(RoundRunner):
         events = self.events
 
         class Logged(PendingRound):
-            def result(self):
+            def results(self):
                 events.append("read")
-                return super().result()
+                return super().results()
 
-        return Logged(run_round(self.target, self.drafter, self.state, self.tree_cfg, self.form))
-
-    def prefill(self, prompt_ids):
-        """Padded to its bucket, as a graph runner's prefill is."""
-        n = prompt_ids.shape[0]
-        ids = torch.zeros(prefill_bucket(n), dtype=torch.long)
-        ids[:n] = prompt_ids
-        return prefill(self.target, self.drafter, ids, torch.tensor(n), self.form, self.state.values, self.state.rng)
+        return Logged(run_round(self.target, self.drafter, self.state, self.tree, self.form).cpu())
 
 
 @pytest.mark.parametrize("tree", ["chain", "tiny", "default"])
-def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree):
+def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree, monkeypatch):
     """Rounds launched ahead decode exactly; none is launched past max_new_tokens, and any fits the cache:
     max_new_tokens is chosen so that plan_cache's need is exactly a multiple of its granularity, and the
     self-draft accepts whole paths, so the last round overshoots max_new_tokens as far as it can. The
-    prompt is padded to its bucket, as graph runners do."""
+    prompt is padded to its bucket, as graph sessions do."""
+    monkeypatch.setattr(session_module, "capture_first", lambda candidates, state: None)
     cfg = TREES[tree]
-    target = Target(tiny_llama)
-    drafter = _drafter("self", tiny_llama, target)
+    engine = _engine("self", tiny_llama)
     prompt = random_prompt(3, 128)
-    runner = AheadRunner(target, drafter, cfg, GREEDY.form)
-    slots = runner.prompt_slots(prompt.shape[0])
+    session = AheadSession(engine, Plan(cfg, GREEDY.form))
+    slots = session.prompt_slots(prompt.shape[0])
     assert slots == 64 > prompt.shape[0]
     n = 256 - slots - 2 * cfg.depth - cfg.total_tokens - 3
     assert plan_cache(slots, n, cfg) == 256 and plan_cache(slots, n + 1, cfg) == 512
-    ref, _ = run_decode(target, drafter, prompt, n, cfg)
+    ref, _ = run_decode(engine, prompt, n, cfg)
     assert ref == reference_greedy(tiny_llama, prompt, n)
     stats = DecodeStats()
-    out = [t for new in decode(target, drafter, prompt, n, cfg, GREEDY, None, stats, runner) for t in new]
+    out = [t for new in decode(session, prompt, n, GREEDY, 0, stats) for t in new]
     assert out == ref
+    assert session.max_len == 256  # the cache planned for a padded prompt
     # every launched round was used (the prefill is one forward): none ran ahead past max_new_tokens
-    assert runner.launches == stats.target_forwards - 1
+    assert session.launches == stats.target_forwards - 1
     # ... while the rounds before the last ones were launched ahead, before their predecessor was read
-    ahead = sum(e == "launch" and runner.events[:i].count("launch") > runner.events[:i].count("read")
-                for i, e in enumerate(runner.events))
+    events = session.events
+    ahead = sum(e == "launch" and events[:i].count("launch") > events[:i].count("read") for i, e in enumerate(events))
     most = min(cfg.depth, cfg.total_tokens - 1) + 1  # rounds that may end the call: at most this many
-    assert runner.launches - 1 - most <= ahead < runner.launches, runner.events
+    assert session.launches - 1 - most <= ahead < session.launches, events
     assert max(stats.accept_lengths) == most or tree == "default"  # the most one round can accept
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["eagle", "noisy"])
 def test_padded_prefill_equals_the_plain_one(tiny_llama, kind):
-    """A prompt padded to its bucket (graph runners) leaves the same prefix and roots as the plain prefill."""
-    prompt = random_prompt(2, 128)
+    """Prompts padded to a bucket (graph sessions), two of other lengths in one batch, leave each row the
+    prefix and roots of its prompt's plain prefill."""
+    prompts = [random_prompt(2, 128), random_prompt(5, 128)]
+    assert prompts[0].shape[0] != prompts[1].shape[0]
     cfg = TREES["default"]
-    results = []
-    for size in (prompt.shape[0], prefill_bucket(prompt.shape[0])):
-        target = Target(tiny_llama)
-        drafter = _drafter(kind, tiny_llama, target)
-        target.allocate(256)
-        drafter.allocate(256, cfg)
-        ids = torch.full((size,), 7)
-        ids[: prompt.shape[0]] = prompt
-        root_token, root = prefill(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.form, GREEDY.values(),
-                                  RandomStream.create("cpu"))
-        results.append((root_token, root.logits, root.state, int(target.length), int(drafter.length)))
-    assert prefill_bucket(prompt.shape[0]) > prompt.shape[0]
-    for plain, padded in zip(*results):
-        torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    engine = _engine(kind, tiny_llama)
+
+    def run(ids, n):
+        target = engine.new_target()
+        drafter = engine.new_drafter(target)
+        target.allocate(256, ids.shape[0])
+        drafter.allocate(256, cfg, ids.shape[0])
+        root_token, root = prefill(target, drafter, ids, n, GREEDY.form, RuleValues.create("cpu", ids.shape[0]),
+                                   RandomStream.create("cpu", batch=ids.shape[0]))
+        return root_token, root.logits, root.state, target.length, drafter.length
+
+    size = max(prefill_bucket(p.shape[0]) for p in prompts)
+    assert size > max(p.shape[0] for p in prompts)
+    ids = torch.full((2, size), 7)
+    for b, p in enumerate(prompts):
+        ids[b, : p.shape[0]] = p
+    padded = run(ids, torch.tensor([p.shape[0] for p in prompts]))
+    for b, p in enumerate(prompts):
+        plain = run(p[None], torch.tensor([p.shape[0]]))
+        for got, want in zip(padded, plain):
+            torch.testing.assert_close(got[b: b + 1], want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_round_flex_cannot_capture_switches_to_sdpa(tiny_llama, monkeypatch):
-    """If the flex round cannot be compiled or captured, the runner captures SDPA rounds instead (eager
+    """If the flex round cannot be compiled or captured, the session captures SDPA rounds instead (eager
     flex is only a slow reference); if that fails too, rounds run eagerly with SDPA."""
     import fsd_eagle.decode as decode_module
 
     seen = []
 
     def failing_capture(fn, state):
-        seen.append(target.attention)  # the prefill (always SDPA) is captured too
+        seen.append(session.target.attention)  # the prefill (always SDPA) is captured too
         return None
 
-    monkeypatch.setattr(decode_module, "capture", failing_capture)
+    monkeypatch.setattr(decode_module, "capture", failing_capture)  # prefills (through capture_first)
+    monkeypatch.setattr(session_module, "capture", failing_capture)  # rounds
     model = copy.deepcopy(tiny_llama)
-    target = Target(model)
-    drafter = _drafter("eagle", model, target)
     cfg = TREES["default"]
     prompt = random_prompt(4, 128)
-    runner = RoundRunner(target, drafter, cfg, GREEDY.form, use_graph=True, compile=True, attention="flex")
-    out = [t for new in decode(target, drafter, prompt, 12, cfg, GREEDY, None, DecodeStats(), runner) for t in new]
+    session = make_session(tree=cfg, engine=_engine("eagle", model), graphs=True, compile=True, attention="flex")
+    # A GPU session's settings (on the CPU a session runs eagerly from the start).
+    session.use_graph, session.compile, session.attention = True, True, "flex"
+    out = [t for new in decode(session, prompt, 12, GREEDY) for t in new]
     # compiled with flex, compiled with SDPA, then eager kernels with SDPA: none captures
-    assert seen[-3:] == ["flex", "sdpa", "sdpa"] and runner.attention == "sdpa" and runner.mode == "eager"
+    assert seen[-3:] == ["flex", "sdpa", "sdpa"] and session.attention == "sdpa" and session.mode == "eager"
     assert out == reference_greedy(model, prompt, 12)
 
 
@@ -1077,14 +1137,15 @@ def test_compiled_prefill_equals_the_eager_one(tiny_llama):
     cfg = TREES["default"]
     size = prefill_bucket(prompt.shape[0])
     results = []
+    engine = _engine("eagle", tiny_llama)
     for fn in (prefill, compiled_prefill()):
-        target = Target(tiny_llama)
-        drafter = _drafter("eagle", tiny_llama, target)
+        target = engine.new_target()
+        drafter = engine.new_drafter(target)
         target.allocate(256)
         drafter.allocate(256, cfg)
-        ids = torch.zeros(size, dtype=torch.long)
-        ids[: prompt.shape[0]] = prompt
-        root_token, root = fn(target, drafter, ids, torch.tensor(prompt.shape[0]), GREEDY.form, GREEDY.values(),
+        ids = torch.zeros(1, size, dtype=torch.long)
+        ids[0, : prompt.shape[0]] = prompt
+        root_token, root = fn(target, drafter, ids, torch.tensor([prompt.shape[0]]), GREEDY.form, GREEDY.values(),
                               RandomStream.create("cpu"))
         n = prompt.shape[0]
         results.append((root_token, root.logits, root.state, target.length.clone(), drafter.length.clone(),
@@ -1100,13 +1161,12 @@ def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
     """No graph break in run_round (each break splits inductor's fusion and adds launches to the round)."""
     torch._dynamo.reset()
     model = copy.deepcopy(tiny_llama)
-    target = Target(model)
-    target.use_attention(backend)
-    drafter = _drafter("eagle", model, target)
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
-    runner = RoundRunner(target, drafter, cfg, GREEDY.form, use_graph=False)
-    next(decode(target, drafter, random_prompt(1, 128), 2, cfg, GREEDY, None, DecodeStats(), runner))
-    report = torch._dynamo.explain(run_round)(target, drafter, runner.state, cfg, GREEDY.form)
+    session = make_session(tree=cfg, engine=_engine("eagle", model))
+    session.attention = backend
+    next(decode(session, random_prompt(1, 128), 2, GREEDY))
+    assert session.target.attention == backend
+    report = torch._dynamo.explain(run_round)(session.target, session.drafter, session.state, cfg, GREEDY.form)
     assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
 
 
@@ -1122,14 +1182,13 @@ def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab)
     results = []
     model = copy.deepcopy(tiny_llama)
     for fn in (run_round, compiled_round()):
-        target = Target(model)
-        drafter = _drafter("noisy", model, target)
-        drafter.ranking = torch.randperm(128, generator=torch.Generator().manual_seed(2))
-        target.use_attention(backend)
-        drafter.model.use_attention(backend)
+        session = make_session(tree=cfg, engine=_engine("noisy", model))
+        session.drafter.ranking = torch.randperm(128, generator=torch.Generator().manual_seed(2))
+        session.attention = backend
         prompt = random_prompt(1, 128)
-        runner = RoundRunner(target, drafter, cfg, GREEDY.form, use_graph=False)
-        next(decode(target, drafter, prompt, 2, cfg, GREEDY, None, DecodeStats(), runner))  # prefill only
-        results.append(torch.stack([fn(target, drafter, runner.state, cfg, GREEDY.form) for _ in range(5)]))
+        next(decode(session, prompt, 2, GREEDY))  # the prefill and one round
+        target, drafter = session.target, session.drafter
+        assert target.attention == drafter.model.attention == backend
+        results.append(torch.stack([fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(5)]))
     assert torch.equal(results[0], results[1])
-    assert (results[0][:, 0] > 1).any()  # some round accepted drafted tokens
+    assert (results[0][:, 0, 0] > 1).any()  # some round accepted drafted tokens (n_accepted of row 0)
