@@ -12,16 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 import fsd_eagle.decode as decode_module
-from conftest import tiny_model
+from conftest import decode_all, make_session, tiny_model
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import TreeConfig
-from fsd_eagle.decode import DecodeStats, decode
-from fsd_eagle.drafter import EagleDrafter, ModelDrafter
+from fsd_eagle.drafter import EagleDrafter
 from fsd_eagle.errors import ConfigError, ModelLoadError
 from fsd_eagle.head import RANKING_FILE, EagleHead, HeadConfig
 from fsd_eagle.models import load_head, save_head
 from fsd_eagle.target import Target
-from fsd_eagle.verify import AcceptanceRule
 from training.features import Example, rank_tokens
 
 CPU = torch.device("cpu")
@@ -35,33 +33,31 @@ def _greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def _decode(target, drafter, prompt, n, tree, trees: list | None = None, monkeypatch=None):
+def _decode(model, ranking, prompt, n, tree, trees: list | None = None, monkeypatch=None):
+    """Greedy decoding of ``model`` drafting for itself with the token ranking ``ranking``."""
     if trees is not None:
         real = decode_module.draft_tree
         monkeypatch.setattr(decode_module, "draft_tree", lambda *a, **kw: trees.append(real(*a, **kw)) or trees[-1])
-    stats, out = DecodeStats(), []
-    for new in decode(target, drafter, prompt, n, tree, AcceptanceRule(), None, stats):
-        out += new
-    return out, stats
+    session = make_session(model, tree, draft_model=model)
+    session.drafter.ranking = ranking
+    return decode_all(session, prompt, n)
 
 
 @torch.no_grad()
 def test_greedy_decoding_with_a_draft_vocabulary_is_exact(tiny_llama, monkeypatch):
     """The target as its own drafter: every drafted token lies in the vocabulary, decoding equals plain
     greedy decoding, and tokens outside the vocabulary cost acceptance (they cannot be proposed)."""
-    target = Target(tiny_llama)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))
-    drafter = ModelDrafter(Target(tiny_llama), ranking=ranking)
     prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(3))
     ref = _greedy(tiny_llama, prompt, 24)
-    full, full_stats = _decode(target, drafter, prompt, 24, TreeConfig(total_tokens=12, depth=4, top_k=3))
+    full, full_stats = _decode(tiny_llama, ranking, prompt, 24, TreeConfig(total_tokens=12, depth=4, top_k=3))
     assert full == ref
     trees: list = []
-    half, half_stats = _decode(target, drafter, prompt, 24, TreeConfig(total_tokens=12, depth=4, top_k=3,
-                                                                       draft_vocab=VOCAB // 2), trees, monkeypatch)
+    half, half_stats = _decode(tiny_llama, ranking, prompt, 24, TreeConfig(total_tokens=12, depth=4, top_k=3,
+                                                                           draft_vocab=VOCAB // 2), trees, monkeypatch)
     assert half == ref
     allowed = ranking[: VOCAB // 2]
-    assert trees and all(torch.isin(t.tokens[1:], allowed).all() for t in trees)
+    assert trees and all(torch.isin(t.tokens[:, 1:], allowed).all() for t in trees)
     outside = sum(t not in set(allowed.tolist()) for t in ref)
     assert outside > 0  # (the check below means something)
     assert half_stats.tau < full_stats.tau

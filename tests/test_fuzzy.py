@@ -10,6 +10,7 @@ Fast: tiny random Llama targets (vocab 128) and a noisy copy as the drafter, CPU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -18,15 +19,13 @@ import torch
 
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import FuzzyConfig, SamplingConfig, TreeConfig, parse_threshold
-from fsd_eagle.decode import DecodeStats, decode
 from fsd_eagle.divergence import DIVERGENCES, divergence
-from fsd_eagle.drafter import ModelDrafter
 from fsd_eagle.errors import ConfigError, FSDError
-from fsd_eagle.target import Target
 from fsd_eagle.tree import DraftTree
-from fsd_eagle.verify import AcceptanceRule
+from fsd_eagle.verify import AcceptanceRule, Verdict
 
-from conftest import verify
+import conftest
+from conftest import decode_all, make_session
 from test_api import make_llama, noisy_copy  # noisy_copy: a drafter that agrees with the target often
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention
@@ -58,15 +57,29 @@ def prompt():
     return torch.tensor([5, 17, 99, 3, 42, 64, 8, 120, 77, 31])
 
 
-def run_decode(model, draft, prompt_ids, n, tree, rule, seed=None):
-    """Plain ids of one decode call and its stats (fresh Target / drafter wrappers every call)."""
-    drafter = ModelDrafter(Target(draft)) if draft is not None else None
-    stats = DecodeStats()
-    out: list[int] = []
-    for new in decode(Target(model), drafter, prompt_ids, n, tree, rule, seed, stats):
-        out += new
+def run_decode(model, draft, prompt_ids, n, tree, rule, seed=0):
+    """Plain ids of one decode call and its stats (a fresh session every call)."""
+    out, stats = decode_all(make_session(model, tree, rule, draft_model=draft), prompt_ids, n, rule, seed)
     assert len(out) == n == stats.new_tokens
     return out, stats
+
+
+def _stack(tree: DraftTree, rows: int) -> DraftTree:
+    """``rows`` batch rows of one unbatched tree."""
+    fields = [getattr(tree, name) for name in ("tokens", "parents", "depths", "anc", "scores", "q_logits", "q_row")]
+    return DraftTree(*(None if x is None else x.expand(rows, *x.shape) for x in fields), max_depth=tree.max_depth)
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, rule: AcceptanceRule, seed: int | None = None):
+    """The verdict of one unbatched tree ``[n]`` under logits ``[n, V]`` (a seed for sampling rules), without
+    the batch dimension. Checks it is the verdict the tree gets as row 0 of a batch of two whose row 1 has
+    other logits."""
+    one = conftest.verify(_stack(tree, 1), logits[None], rule, seed)
+    two = conftest.verify(_stack(tree, 2), torch.stack([logits, logits.roll(1, -1)]), rule, seed)
+    names = [f.name for f in dataclasses.fields(Verdict)]
+    for name in names:
+        torch.testing.assert_close(getattr(two, name)[0], getattr(one, name)[0], rtol=0, atol=0, msg=name)
+    return Verdict(*(getattr(one, name)[0] for name in names))
 
 
 @torch.no_grad()
@@ -206,7 +219,7 @@ def check_path(tree: DraftTree, verdict) -> list[int]:
 def reference_greedy_length(tree: DraftTree, logits, fuzzy: FuzzyConfig) -> int:
     """Longest root path whose every node is accepted: node c with parent n is ok iff (hybrid) c's token is
     argmax p_n, or c is n's top child (highest score) and D(p_n, q_n) <= T."""
-    n = tree.size
+    n = tree.tokens.shape[0]  # an unbatched tree
     d = divergence(fuzzy.divergence, logits, tree.q_logits[tree.q_row.clamp(min=0)], fuzzy.support_top_k)
     best = 1
     ok = [True] * n
@@ -398,7 +411,7 @@ def test_sampling_t_inf_accepts_full_chain(div, mode):
     rule = AcceptanceRule(SAMPLED, FuzzyConfig(threshold=INF, divergence=div, mode=mode))
     for seed in range(6):
         tree, chain, logits = build_tree(seed, chain_only=True)
-        assert chain == list(range(tree.size))
+        assert chain == list(range(tree.tokens.shape[0]))
         v = verify(tree, logits, rule, seed)
         assert check_path(tree, v) == chain
         assert int(v.n_accepted) == tree.max_depth + 1

@@ -143,11 +143,11 @@ def test_a_larger_top_k_beyond_total_tokens_draws_the_same_tree(tiny_llama):
     drafter = EagleDrafter(EagleHead(HeadConfig.for_target(tiny_llama.config)).eval(), target)
     prompt = torch.tensor([5, 17, 99, 3, 42, 64, 8])
     target.allocate(64)
-    feats = target.prefill(prompt)
+    feats = target.prefill(prompt[None])
     drafter.allocate(64, TreeConfig(8, 3, 12))
-    root = drafter.prefill(torch.cat([prompt, prompt[:1]]), feats)
+    root = drafter.prefill(torch.cat([prompt, prompt[:1]])[None], feats)
     for n, depth in ((8, 3), (5, 2), (4, 1)):
-        trees = [draft_tree(drafter, prompt[0], root.logits, root.state, TreeConfig(n, depth, k))
+        trees = [draft_tree(drafter, prompt[:1], root.logits, root.state, TreeConfig(n, depth, k))
                  for k in (n - 1, n + 1, 12)]
         for t in trees[1:]:
             assert torch.equal(t.tokens, trees[0].tokens) and torch.equal(t.parents, trees[0].parents)
