@@ -52,9 +52,10 @@ from typing import Callable, Sequence
 import torch
 
 from fsd_eagle.config import TreeConfig
-from fsd_eagle.decode import DecodeStats, decode, prefill_bucket
+from fsd_eagle.decode import DecodeStats, prefill_bucket
 from fsd_eagle.errors import ConfigError
 from fsd_eagle.models import default_head_path, head_weights_sha256
+from fsd_eagle.schedule import decode
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.verify import AcceptanceRule
 
@@ -276,14 +277,14 @@ class Tuner:
         t = self.target
         ids = torch.tensor(list(prefix), device=self.dev)
         t.allocate(ids.shape[0] + max(sizes) + 8)
-        t.prefill(ids)
+        t.prefill(ids[None])
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for r in range(warmup + repeats):
             for n in sizes:  # sizes interleaved: background load spreads over all of them
                 toks = ids[-n:] if n <= ids.shape[0] else ids[torch.arange(n, device=self.dev) % ids.shape[0]]
                 depths = torch.arange(n, device=self.dev)
                 anc = torch.ones(n, n, dtype=torch.bool, device=self.dev).tril()
-                s = self._time(lambda: t.logits(t.forward_tree(toks, depths, anc)))
+                s = self._time(lambda: t.logits(t.forward_tree(toks[None], depths[None], anc[None])))
                 if r >= warmup:
                     times[n].append(s)
         return times
@@ -296,14 +297,14 @@ class Tuner:
         ids = torch.tensor(list(prefix), device=self.dev)
         room = ids.shape[0] + (warmup + repeats) * len(rows) + max(rows) + 8
         t.allocate(room)
-        feats = t.prefill(ids)
+        feats = t.prefill(ids[None])
         d.allocate(room, TreeConfig(total_tokens=2, depth=1, top_k=1))
-        d.prefill(ids, feats[:-1])
-        one = torch.ones((), dtype=torch.long, device=self.dev)
+        d.prefill(ids[None], feats[:, :-1])
+        one = torch.ones(1, dtype=torch.long, device=self.dev)
         times: dict[int, list[float]] = {p: [] for p in rows}
         for r in range(warmup + repeats):
             for p in rows:
-                s = self._time(lambda: d.commit(ids[-p:], feats[-p:], one))
+                s = self._time(lambda: d.commit(ids[None, -p:], feats[:, -p:], one))
                 if r >= warmup:
                     times[p].append(s)
         return times
@@ -315,15 +316,14 @@ class Tuner:
         gen = self.gen
         if cfg.drafts:
             gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab)
-        drafter = gen.drafter if cfg.drafts else None
         rule = AcceptanceRule()
-        # The generator's own reusable runner (a captured CUDA graph on GPUs), as generate() decodes.
-        runner = gen.round_runner(autoregressive=not cfg.drafts)
+        # The generator's own session (a captured CUDA graph on GPUs), as generate() decodes.
+        session = gen.session(autoregressive=not cfg.drafts)
         stats = DecodeStats()
         ids = torch.tensor(prompt, device=self.dev)
         tokens: list[int] = []
         marks = [time.perf_counter()]
-        for new in decode(gen.target, drafter, ids, max_new_tokens, gen.tree, rule, None, stats, runner):
+        for new in decode(session, ids, max_new_tokens, rule, 0, stats):
             marks.append(time.perf_counter())
             for tok in new:
                 tokens.append(tok)
@@ -339,7 +339,7 @@ class Tuner:
         """The target's features over prompt + the run's tokens but the last (what the head reads)."""
         seq = torch.tensor(prompt + run.tokens[:-1], device=self.dev)
         self.target.allocate(seq.shape[0] + 8)
-        return self.target.prefill(seq)
+        return self.target.prefill(seq[None])[0]
 
     @torch.no_grad()
     def replay(self, prompt: list[int], cont: list[int], feats: torch.Tensor, configs: Sequence[TreeConfig],
@@ -352,12 +352,12 @@ class Tuner:
         dmax = max(cfg.depth for cfg in configs)
         kmax = max(cfg.top_k for cfg in configs)
         d.allocate(L + len(cont) + 8, TreeConfig(total_tokens=2, depth=dmax, top_k=kmax))
-        root = d.prefill(torch.cat([p, c[:1]]), feats[:L])
+        root = d.prefill(torch.cat([p, c[:1]])[None], feats[None, :L])
         by_k: dict[int, list[TreeConfig]] = {}
         for cfg in sorted(configs, key=lambda x: -x.depth):  # deepest first: it computes every level
             by_k.setdefault(cfg.top_k, []).append(cfg)
         accepts = {cfg: [] for cfg in configs}
-        one = torch.ones((), dtype=torch.long, device=self.dev)
+        one = torch.ones(1, dtype=torch.long, device=self.dev)
         for t in range(len(cont) - 1):
             for k, group in by_k.items():
                 shared = SharedSteps(d, self.sync, step_times.setdefault(k, []))
@@ -365,12 +365,12 @@ class Tuner:
                     before = len(shared.times)
                     self.sync()
                     start = time.perf_counter()
-                    tree = draft_tree(shared, c[t], root.logits, root.state, cfg)
+                    tree = draft_tree(shared, c[t: t + 1], root.logits, root.state, cfg)
                     self.sync()
                     build_times.setdefault(cfg, []).append(time.perf_counter() - start - sum(shared.times[before:]))
-                    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+                    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
                     accepts[cfg].append(accepted_drafts(tokens, parents, cont[t + 1: t + 1 + cfg.depth]))
-            root = d.commit(c[t + 1: t + 2], feats[L + t: L + t + 1], one)
+            root = d.commit(c[None, t + 1: t + 2], feats[None, L + t: L + t + 1], one)
         return accepts
 
 
