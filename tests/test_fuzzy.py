@@ -73,12 +73,13 @@ def _stack(tree: DraftTree, rows: int) -> DraftTree:
 def verify(tree: DraftTree, logits: torch.Tensor, rule: AcceptanceRule, seed: int | None = None):
     """The verdict of one unbatched tree ``[n]`` under logits ``[n, V]`` (a seed for sampling rules), without
     the batch dimension. Checks it is the verdict the tree gets as row 0 of a batch of two whose row 1 has
-    other logits."""
+    other logits (exactly, but for float rounding of the divergences between batch shapes)."""
     one = conftest.verify(_stack(tree, 1), logits[None], rule, seed)
     two = conftest.verify(_stack(tree, 2), torch.stack([logits, logits.roll(1, -1)]), rule, seed)
     names = [f.name for f in dataclasses.fields(Verdict)]
     for name in names:
-        torch.testing.assert_close(getattr(two, name)[0], getattr(one, name)[0], rtol=0, atol=0, msg=name)
+        tol = 1e-5 if name == "div_sum" else 0
+        torch.testing.assert_close(getattr(two, name)[0], getattr(one, name)[0], rtol=tol, atol=tol, msg=name)
     return Verdict(*(getattr(one, name)[0] for name in names))
 
 

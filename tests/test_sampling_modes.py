@@ -20,17 +20,16 @@ import torch
 import fsd_eagle.verify as verify_module
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import FuzzyConfig, SamplingConfig, TreeConfig
-from fsd_eagle.decode import (DecodeStats, PendingRound, RoundResult, RoundRunner, compiled_prefill, compiled_round, decode,
-                              prefill_bucket, run_round)
-from fsd_eagle.drafter import ModelDrafter
+from fsd_eagle.decode import DecodeStats, RoundResult, compiled_prefill, compiled_round, prefill_bucket, run_round
+from fsd_eagle.engine import Engine
 from fsd_eagle.rng import DRAW_ACCEPT, RandomStream, mix32
 from fsd_eagle.sampling import RuleForm, RuleValues, process_logits
-from fsd_eagle.target import Target
+from fsd_eagle.schedule import decode
+from fsd_eagle.session import PendingRound, Plan, Session
 from fsd_eagle.verify import AcceptanceRule
 
-from conftest import tiny_model
-from test_engine import (BROKEN, STAT_TREE, _has_cpu_compiler, chi_square_pvalue, exact_pair_distribution,
-                         make_stat_setup, noisy_copy)
+from conftest import chi_square_pvalue, make_session, tiny_model
+from test_engine import BROKEN, STAT_TREE, _has_cpu_compiler, exact_pair_distribution, make_stat_setup, noisy_copy
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -132,12 +131,12 @@ def test_process_logits_with_values_as_tensors(temperature, top_k, top_p):
     torch.testing.assert_close(got.softmax(-1), _reference_filter(logits, temperature, top_k, top_p).softmax(-1))
 
 
-def test_one_runner_serves_every_value_of_a_form(monkeypatch, tiny_llama):
-    """Calls that differ in temperature, top-p, top-k, threshold or seed share a runner (and so, on a GPU,
+def test_one_session_serves_every_value_of_a_form(monkeypatch, tiny_llama):
+    """Calls that differ in temperature, top-p, top-k, threshold or seed share a session (and so, on a GPU,
     one captured or compiled round); greedy, filtered and fuzzy forms get their own."""
     built = []
-    init = RoundRunner.__init__
-    monkeypatch.setattr(RoundRunner, "__init__", lambda self, *a, **k: built.append(a[3]) or init(self, *a, **k))
+    init = Session.__init__
+    monkeypatch.setattr(Session, "__init__", lambda self, engine, plan: built.append(plan.form) or init(self, engine, plan))
     gen = SpeculativeGenerator(tiny_llama, _Tok(), draft_model=noisy_copy(tiny_llama, 0.1), tree=TreeConfig(6, 2, 2))
     prompt = list(range(3, 12))
     for t in (0.7, 1.0, 1.6):
@@ -151,38 +150,35 @@ def test_one_runner_serves_every_value_of_a_form(monkeypatch, tiny_llama):
                      RuleForm(greedy=False, fuzzy=True), RuleForm()]
 
 
-def test_round_runner_is_the_runner_generate_uses(tiny_llama):
+def test_session_is_the_session_generate_uses(tiny_llama):
     gen = SpeculativeGenerator(tiny_llama, _Tok(), draft_model=noisy_copy(tiny_llama, 0.1), tree=TreeConfig(6, 2, 2))
     r = gen.generate(list(range(3, 12)), 4, temperature=0.8, chat=False)
-    runner = gen.round_runner(temperature=0.3)  # another value of the same form
-    assert runner is gen.round_runner(temperature=0.8) and runner.form == RuleForm(greedy=False)
-    assert runner.mode == r.stats.mode and runner.drafter is not None
-    assert gen.round_runner(autoregressive=True).drafter is None
+    session = gen.session(temperature=0.3)  # another value of the same form
+    assert session is gen.session(temperature=0.8) and session.form == RuleForm(greedy=False)
+    assert session.mode == r.stats.mode and session.drafter is not None
+    assert gen.session(autoregressive=True).drafter is None
 
 
 # ------------------------------------------------- 3. lossless sampling through every execution mode
 
 
-class CompiledRunner(RoundRunner):
-    """Compiled prefills and rounds (decode.compiled_prefill / compiled_round: what GPU runners capture),
+class CompiledSession(Session):
+    """Compiled prefills and rounds (decode.compiled_prefill / compiled_round: what GPU sessions capture),
     run without CUDA graphs, so that the CPU checks the compiled code of every rule."""
-
-    def __init__(self, *args) -> None:
-        super().__init__(*args, use_graph=False)
 
     def prompt_slots(self, prompt_len: int) -> int:
         return prefill_bucket(prompt_len)
 
-    def prefill(self, prompt_ids):
+    def _prefill(self, prompt_ids):
         n = prompt_ids.shape[0]
-        ids = torch.zeros(prefill_bucket(n), dtype=torch.long, device=prompt_ids.device)
-        ids[:n] = prompt_ids
-        st = self.state
-        return compiled_prefill()(self.target, self.drafter, ids, torch.tensor(n, device=ids.device), self.form,
-                                  st.values, st.rng)
+        ids = torch.zeros(1, prefill_bucket(n), dtype=torch.long, device=prompt_ids.device)
+        ids[0, :n] = prompt_ids
+        st = self.one_state
+        return compiled_prefill()(self.one_target, self.one_drafter, ids, torch.tensor([n], device=ids.device),
+                                  self.form.exact(), st.values, st.rng)
 
     def launch(self):
-        return PendingRound(compiled_round()(self.target, self.drafter, self.state, self.tree_cfg, self.form).cpu())
+        return PendingRound(compiled_round()(self.target, self.drafter, self.state, self.tree, self.form).cpu())
 
 
 MODES = {
@@ -193,27 +189,25 @@ MODES = {
 }
 
 
-def make_runner(mode: str, target, drafter, tree, form) -> RoundRunner:
+def make_mode_session(mode: str, engine, tree, form) -> Session:
     if mode == "compiled":
-        return CompiledRunner(target, drafter, tree, form)
-    return RoundRunner(target, drafter, tree, form, use_graph=mode != "eager", compile=mode == "compiled_graph")
+        return CompiledSession(engine, Plan(tree, form))
+    return Session(engine, Plan(tree, form, graphs=mode != "eager", compile=mode == "compiled_graph"))
 
 
 def stat_setup_on(device: str):
-    model, _, drafter, prompt, first, second = make_stat_setup()
-    model = model.to(device)
-    target = Target(model)
-    drafter = ModelDrafter(Target(drafter.model.model.to(device)))
-    return target, drafter, prompt.to(device), first, second
+    model, engine, prompt, first, second = make_stat_setup()
+    engine = Engine(model.to(device), None, draft_model=engine.draft_model.to(device))
+    return engine, prompt.to(device), first, second
 
 
-def sample_pairs_with(runner, target, drafter, prompt, rule, n, seed):
-    """n two-token decodes, each with its own seed, through one runner (one capture / compilation)."""
+def sample_pairs_with(session, prompt, rule, n, seed):
+    """n two-token decodes, each with its own seed, on one session (one capture / compilation)."""
     counts: Counter = Counter()
     accepted = 0
     for i in range(n):
         stats, out = DecodeStats(), []
-        for new in decode(target, drafter, prompt, 2, STAT_TREE, rule, seed * n + i, stats, runner):
+        for new in decode(session, prompt, 2, rule, seed * n + i, stats):
             out += new
         counts[tuple(out)] += 1
         accepted += stats.accept_lengths[0] > 1
@@ -225,12 +219,12 @@ def sample_pairs_with(runner, target, drafter, prompt, rule, n, seed):
 def test_sampling_is_lossless_in_every_mode(mode, temperature, top_p):
     torch._dynamo.reset()
     device = "cuda" if mode in ("graph", "compiled_graph") else "cpu"
-    target, drafter, prompt, first, second = stat_setup_on(device)
+    engine, prompt, first, second = stat_setup_on(device)
     rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
-    runner = make_runner(mode, target, drafter, STAT_TREE, rule.form)
+    session = make_mode_session(mode, engine, STAT_TREE, rule.form)
     n = 2000
-    counts, accept_rate = sample_pairs_with(runner, target, drafter, prompt, rule, n, seed=5)
-    assert runner.mode == {"compiled": "eager"}.get(mode, mode.replace("compiled_graph", "compiled"))
+    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=5)
+    assert session.mode == {"compiled": "eager"}.get(mode, mode.replace("compiled_graph", "compiled"))
     assert accept_rate > 0.3
     expected = exact_pair_distribution(first.to("cpu"), second.to("cpu"), temperature, top_p)
     assert chi_square_pvalue(counts, expected, n) > 1e-3
@@ -242,11 +236,11 @@ def test_the_sampling_test_fails_a_broken_rule_in_every_mode(monkeypatch, mode, 
     BROKEN[broken](monkeypatch)
     torch._dynamo.reset()  # compiled rounds must trace the broken rule
     device = "cuda" if mode in ("graph", "compiled_graph") else "cpu"
-    target, drafter, prompt, first, second = stat_setup_on(device)
+    engine, prompt, first, second = stat_setup_on(device)
     rule = AcceptanceRule(SamplingConfig(temperature=1.0))
-    runner = make_runner(mode, target, drafter, STAT_TREE, rule.form)
+    session = make_mode_session(mode, engine, STAT_TREE, rule.form)
     n = 400
-    counts, _ = sample_pairs_with(runner, target, drafter, prompt, rule, n, seed=5)
+    counts, _ = sample_pairs_with(session, prompt, rule, n, seed=5)
     torch._dynamo.reset()  # nothing compiled from the broken rule outlives this test
     assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3
 
@@ -276,8 +270,7 @@ API_MODES = {
 def api_generator(mode: str, model, draft) -> SpeculativeGenerator:
     device = "cuda" if mode in ("graph", "compiled") else "cpu"
     gen = SpeculativeGenerator(model.to(device), _Tok(), draft_model=draft.to(device), tree=TreeConfig(8, 3, 2))
-    gen.cuda_graphs = mode != "eager"
-    gen.compile = mode == "compiled"
+    gen.configure(cuda_graphs=mode != "eager", compile=mode == "compiled")
     return gen
 
 
@@ -336,7 +329,7 @@ def test_a_seed_gives_the_same_text_in_another_process():
 
 
 def test_no_public_call_runs_flex_attention_uncompiled(monkeypatch, tiny_llama):
-    """Every public way to build a runner (compile on or off, graphs on or off, each attention choice,
+    """Every public way to build a session (compile on or off, graphs on or off, each attention choice,
     greedy or sampling, exact or fuzzy, head-less AR or a draft model): FlexAttention runs only inside
     compilation (on a CPU, where the API compiles nothing, never)."""
     import torch.nn.attention.flex_attention as flex_module
@@ -357,7 +350,7 @@ def test_no_public_call_runs_flex_attention_uncompiled(monkeypatch, tiny_llama):
     for compile_ in (False, True):
         for graphs in (False, True):
             for attention in (None, "sdpa", "flex"):
-                gen.compile, gen.cuda_graphs = compile_, graphs
+                gen.configure(compile=compile_, cuda_graphs=graphs)
                 gen.use_attention(attention)
                 for kwargs in ({}, dict(temperature=0.8, seed=1), dict(fuzzy=FuzzyConfig(threshold=1.0)),
                                dict(autoregressive=True, temperature=0.5)):
@@ -378,12 +371,10 @@ def test_a_sampling_round_is_one_graph_for_dynamo(tiny_llama, rule):
     """No graph break in a sampling round (random numbers, filters, fuzzy rules): one compiled graph."""
     torch._dynamo.reset()
     model = copy.deepcopy(tiny_llama)
-    target = Target(model)
-    drafter = ModelDrafter(Target(noisy_copy(model, 0.1)))
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
-    runner = RoundRunner(target, drafter, cfg, rule.form, use_graph=False)
-    next(decode(target, drafter, torch.arange(3, 12), 2, cfg, rule, 0, DecodeStats(), runner))
-    report = torch._dynamo.explain(run_round)(target, drafter, runner.state, cfg, rule.form)
+    s = make_session(model, cfg, rule, draft_model=noisy_copy(model, 0.1))
+    next(decode(s, torch.arange(3, 12), 2, rule, 0))
+    report = torch._dynamo.explain(run_round)(s.target, s.drafter, s.state, cfg, rule.form)
     assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
 
 
@@ -393,15 +384,14 @@ def test_a_sampling_round_is_one_graph_for_dynamo(tiny_llama, rule):
                          ids=["exact", "fuzzy"])
 def test_a_sampling_round_has_no_host_sync(tiny_llama, rule):
     model = copy.deepcopy(tiny_llama)
-    drafter = ModelDrafter(Target(noisy_copy(model, 0.1).cuda()))
-    target = Target(model.cuda())
+    draft = noisy_copy(model, 0.1).cuda()
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
-    runner = RoundRunner(target, drafter, cfg, rule.form, use_graph=False)
-    next(decode(target, drafter, torch.arange(3, 12, device="cuda"), 2, cfg, rule, 0, DecodeStats(), runner))
+    s = make_session(model.cuda(), cfg, rule, draft_model=draft)
+    next(decode(s, torch.arange(3, 12, device="cuda"), 2, rule, 0))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        run_round(target, drafter, runner.state, cfg, rule.form)
+        run_round(s.target, s.drafter, s.state, cfg, rule.form)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -418,12 +408,10 @@ def test_compiled_sampling_rounds_equal_eager_ones(tiny_llama):
     model = copy.deepcopy(tiny_llama)
     results = []
     for fn in (run_round, compiled_round()):
-        target = Target(model)
-        drafter = ModelDrafter(Target(noisy_copy(model, 0.1)))
-        runner = RoundRunner(target, drafter, cfg, rule.form, use_graph=False)
-        next(decode(target, drafter, torch.arange(3, 12), 2, cfg, rule, 3, DecodeStats(), runner))
+        s = make_session(model, cfg, rule, draft_model=noisy_copy(model, 0.1))
+        next(decode(s, torch.arange(3, 12), 2, rule, 3))
         with torch.no_grad():
-            results.append(torch.stack([fn(target, drafter, runner.state, cfg, rule.form) for _ in range(6)]))
+            results.append(torch.stack([fn(s.target, s.drafter, s.state, cfg, rule.form)[0] for _ in range(6)]))
     div_sum = RoundResult.FIELDS.index("div_sum")
     others = [i for i in range(results[0].shape[1]) if i != div_sum]
     assert torch.equal(results[0][:, others], results[1][:, others])  # tokens, accepted lengths, counts
