@@ -72,11 +72,11 @@ def test_uniforms_are_uniform_and_independent():
     """Goodness of fit of 200k uniforms (100 bins) and of pairs from consecutive steps and from two draws
     of one step (10 x 10 bins): all pass a chi-square test at 1e-3."""
     s = RandomStream.create("cpu", 123)
-    u = s.uniform((200_000,), 0)
+    u = s.uniform((200_000,), 0)[0]  # the stream's one batch row
     assert 0 < float(u.min()) and float(u.max()) < 1
-    other_draw = s.uniform((200_000,), 1)
+    other_draw = s.uniform((200_000,), 1)[0]
     s.advance()
-    next_step = s.uniform((200_000,), 0)
+    next_step = s.uniform((200_000,), 0)[0]
 
     def pvalue(counts: torch.Tensor) -> float:
         expected = counts.sum() / counts.numel()
