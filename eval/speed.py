@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                         "measured at each, in this order")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling rows (temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
-    p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, trees/presets.json)")
+    p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, fsd_eagle/presets.json)")
     p.add_argument("--depth", type=int)
     p.add_argument("--tree-top-k", type=int)
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")

@@ -143,7 +143,7 @@ def test_sweep_settings_record_the_resolved_tree(folders, tmp_path):
         "total_tokens": default.total_tokens, "depth": 2, "top_k": default.top_k}
     named = tmp_path / "SmolLM2-135M-Instruct"  # presets are filed under the folder's name
     for device in ("cpu", "cuda"):
-        preset = lookup(load_presets(), "SmolLM2-135M-Instruct", device)  # trees/presets.json has both
+        preset = lookup(load_presets(), "SmolLM2-135M-Instruct", device)  # fsd_eagle/presets.json has both
         assert resolve_tree(str(named), device, None) == {
             "total_tokens": preset.total_tokens, "depth": preset.depth, "top_k": preset.top_k}
         assert resolve_tree(str(named), device, {"top_k": 3})["top_k"] == 3

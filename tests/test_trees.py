@@ -1,12 +1,15 @@
-"""Tree presets (fsd_eagle.trees_presets: lookup, fallbacks, SpeculativeGenerator.load's default) and the tree
-tuner (trees/tune.py: grid, replayed acceptance, cost model, pruning, choice, and one end-to-end run on a
-tiny random model whose replayed tau must equal real decoding's)."""
+"""Tree presets (fsd_eagle.trees_presets: lookup, batch buckets, fallbacks, SpeculativeGenerator.load's
+default, the package's own presets file) and the tree tuner (trees/tune.py: grid, replayed acceptance, cost
+model, pruning, choice, one end-to-end run on a tiny random model whose replayed tau must equal real
+decoding's, batch buckets measured through the public API, the presets writer)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import torch
 from fsd_eagle import trees_presets
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import TreeConfig
-from fsd_eagle.errors import ConfigError
+from fsd_eagle.errors import ConfigError, InputError
 from fsd_eagle.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +93,12 @@ def test_bad_preset_files_fail_with_one_line(tmp_path, tiny_llama):
 
 
 def test_shipped_presets_file_is_found_and_valid():
-    assert trees_presets.PRESETS == ROOT / "trees" / "presets.json"
+    import fsd_eagle
+
+    # Package data, next to the module (an installed wheel has it too: tests/test_packaging.py)
+    assert Path(os.fspath(trees_presets.PRESETS)) == Path(fsd_eagle.__file__).parent / "presets.json"
+    assert tune.DEFAULT_OUT == ROOT / "fsd_eagle" / "presets.json"  # the tuner writes the file the package reads
+    assert not (ROOT / "trees" / "presets.json").exists()
     table = trees_presets.load_presets()
     for name in table["_shapes"]:
         trees_presets.named_shape(name)
@@ -100,6 +108,18 @@ def test_shipped_presets_file_is_found_and_valid():
     for device in ("cpu", "cuda"):
         assert trees_presets.lookup(table, "SmolLM2-135M-Instruct", device) is not None
         assert "tuned" in entry[device]["measured"]
+        for b in (1, 2, 8, 64):  # every bucket of the shipped file resolves
+            trees_presets.lookup_preset(table, "SmolLM2-135M-Instruct", device, b)
+
+
+def test_preset_tree_reads_the_package_data_by_default(tiny_llama):
+    """No path given: the package's presets answer for the shipped target's name (here a tiny model filed
+    under that name), whatever the working directory."""
+    table = trees_presets.load_presets()
+    target = Target(named_model(tiny_llama, "/anywhere/SmolLM2-135M-Instruct"))
+    assert trees_presets.preset_tree(target) == trees_presets.lookup(table, "SmolLM2-135M-Instruct", "cpu")
+    assert trees_presets.preset_tree(target) == trees_presets.tree_from_spec(
+        table["SmolLM2-135M-Instruct"]["cpu"]["tree"], table)
 
 
 def test_load_uses_the_preset_unless_a_tree_is_given(tmp_path, monkeypatch, tiny_llama):
@@ -113,6 +133,154 @@ def test_load_uses_the_preset_unless_a_tree_is_given(tmp_path, monkeypatch, tiny
     assert SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu", tree=given).tree == given
     monkeypatch.setattr(trees_presets, "PRESETS", tmp_path / "absent.json")
     assert SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu").tree == TreeConfig()
+
+
+# ------------------------------------------------------------------------------------------ batch buckets
+
+BATCHED = {
+    "tiny-x": {"cpu": {"tree": {"total_tokens": 8, "depth": 3, "top_k": 2}, "measured": {"tuned": True},
+                       "batch": {"4": {"tree": {"total_tokens": 4, "depth": 2, "top_k": 2}},
+                                 "16": {"tree": "autoregressive", "measured": {"tokens_per_s": 9.0}},
+                                 "64": {"tree": "chain-3"}}}},
+    "only-batch": {"cpu": {"batch": {"8": {"tree": "autoregressive"}, "32": {"tree": "chain-3"}}}},
+    "*": {"cpu": {"tree": {"total_tokens": 5, "depth": 4, "top_k": 1}}},
+    "_shapes": TABLE["_shapes"],
+}
+
+
+def test_batch_buckets_pick_the_largest_bucket_at_most_the_batch_size(tmp_path, tiny_llama):
+    Preset = trees_presets.Preset
+    t8, t4, chain = TreeConfig(8, 3, 2), TreeConfig(4, 2, 2), TreeConfig(4, 3, 1)
+    want = {1: Preset(t8, False, 1), 3: Preset(t8, False, 1), 4: Preset(t4, False, 4), 15: Preset(t4, False, 4),
+            16: Preset(t4, True, 16), 63: Preset(t4, True, 16), 64: Preset(chain, False, 64),
+            1000: Preset(chain, False, 64)}
+    for b, expected in want.items():
+        assert trees_presets.lookup_preset(BATCHED, "tiny-x", "cpu", b) == expected, b
+    assert trees_presets.batch_bucket(1) == 1 and trees_presets.batch_bucket(48) == 32
+    assert trees_presets.batch_bucket(200) == 64
+    # A device entry with only "batch": bucket 1 is the defaults; the "*" model answers for others
+    assert trees_presets.lookup_preset(BATCHED, "only-batch", "cpu", 4) == Preset(TreeConfig(), False, 1)
+    assert trees_presets.lookup_preset(BATCHED, "only-batch", "cpu", 8) == Preset(TreeConfig(), True, 8)
+    assert trees_presets.lookup_preset(BATCHED, "only-batch", "cpu", 40) == Preset(chain, False, 32)
+    assert trees_presets.lookup_preset(BATCHED, "other", "cpu", 16) == Preset(TreeConfig(5, 4, 1), False, 1)
+    assert trees_presets.lookup_preset(BATCHED, "tiny-x", "cuda", 16) is None
+    # An autoregressive bucket's tree skips smaller buckets that do not draft either
+    ar_below = {"_shapes": {"ar": {"total_tokens": 1, "depth": 1, "top_k": 1}},
+                "m": {"cpu": {"tree": "ar", "batch": {"2": {"tree": "chain-3"}, "4": {"tree": "ar"},
+                                                      "8": {"tree": "autoregressive"}}}}}
+    ar_below["_shapes"].update(TABLE["_shapes"])
+    assert trees_presets.lookup_preset(ar_below, "m", "cpu", 8) == Preset(chain, True, 8)
+    assert trees_presets.lookup_preset(ar_below, "m", "cpu", 4) == Preset(chain, True, 4)  # a 1-token tree: AR
+    assert trees_presets.lookup_preset(ar_below, "m", "cpu", 1) == Preset(TreeConfig(1, 1, 1), True, 1)
+    # preset() says whether to draft; preset_tree() folds an autoregressive preset into total_tokens 1
+    path = write(tmp_path, BATCHED)
+    target = Target(named_model(tiny_llama, "tiny-x"))
+    assert trees_presets.preset_tree(target, path) == t8  # the existing call: batch size 1
+    assert trees_presets.preset_tree(target, path, batch_size=5) == t4
+    assert trees_presets.preset(target, path, batch_size=16) == Preset(t4, True, 16)
+    ar = trees_presets.preset_tree(target, path, batch_size=16)
+    assert ar == TreeConfig(1, 1, 1) and not ar.drafts
+    assert trees_presets.preset_for("tiny-x", "cpu", path, batch_size=64) == chain
+    assert trees_presets.preset_entry("nobody", "mps", path, batch_size=8) == Preset()
+    # Files without "batch" answer the same for any batch size
+    assert trees_presets.lookup_preset(TABLE, "tiny-x", "cpu", 32) == Preset(t8, False, 1)
+
+
+def test_bad_batch_entries_and_batch_sizes_fail_with_one_line():
+    plain = {"tree": {"total_tokens": 8, "depth": 3, "top_k": 2}}
+    for batch in ({"3": plain}, {"1": plain}, {"128": plain}, {"x": plain}, {"8": {"measured": {}}}, {"8": "ar"},
+                  ["8"], {"8": {"tree": "no-such-shape"}}):
+        with pytest.raises(ConfigError) as e:
+            trees_presets.lookup_preset({"m": {"cpu": dict(plain, batch=batch)}}, "m", "cpu", 8)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="only a batch bucket"):
+        trees_presets.lookup_preset({"m": {"cpu": {"tree": "autoregressive"}}}, "m", "cpu")
+    for size in (0, -1, 2.0, "8", True, None):
+        with pytest.raises(InputError):
+            trees_presets.lookup_preset(BATCHED, "tiny-x", "cpu", size)
+
+
+def test_write_preset_per_bucket_keeps_the_rest_and_replaces_atomically(tmp_path):
+    path = write(tmp_path, TABLE)
+    path.chmod(0o644)
+    small = {"tree": {"total_tokens": 4, "depth": 2, "top_k": 2}, "measured": {"tuned": True, "batch_size": 8}}
+    tune.write_preset(path, "tiny-x", "cpu", {"tree": "autoregressive", "measured": {"tuned": True}}, bucket=32)
+    tune.write_preset(path, "tiny-x", "cpu", small, bucket=8)
+    table = json.loads(path.read_text())
+    assert list(table["tiny-x"]["cpu"]["batch"]) == ["8", "32"]  # in bucket order
+    assert table["tiny-x"]["cpu"]["tree"] == TABLE["tiny-x"]["cpu"]["tree"]  # the bucket-1 entry is kept
+    plain = {"tree": {"total_tokens": 5, "depth": 4, "top_k": 1}, "measured": {"tuned": True}}
+    tune.write_preset(path, "tiny-x", "cpu", plain)  # re-tuning bucket 1 keeps the batch buckets
+    tune.write_preset(path, "new-model", "cuda", small, bucket=16)
+    table = json.loads(path.read_text())
+    assert table["tiny-x"]["cpu"] == {**plain, "batch": {"8": small, "32": {"tree": "autoregressive",
+                                                                             "measured": {"tuned": True}}}}
+    assert table["tiny-x"]["cuda"] == TABLE["tiny-x"]["cuda"] and table["_shapes"] == TABLE["_shapes"]
+    assert trees_presets.lookup_preset(table, "tiny-x", "cpu", 40) == trees_presets.Preset(TreeConfig(4, 2, 2), True, 32)
+    assert trees_presets.lookup_preset(table, "new-model", "cuda", 16) == trees_presets.Preset(TreeConfig(4, 2, 2), False, 16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["presets.json"]  # no temporary file left
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    with pytest.raises(ConfigError):
+        tune.write_preset(path, "tiny-x", "cpu", small, bucket=3)
+    fresh = tmp_path / "sub" / "fresh.json"
+    fresh.parent.mkdir()
+    tune.write_preset(fresh, "m", "cpu", small, bucket=8)
+    assert json.loads(fresh.read_text()) == {"m": {"cpu": {"batch": {"8": small}}}}
+
+
+def test_batch_candidates_and_arguments():
+    assert tune.smaller_trees(TreeConfig(64, 6, 8, 16384)) == [TreeConfig(32, 5, 8, 16384), TreeConfig(16, 4, 8, 16384)]
+    assert tune.smaller_trees(TreeConfig(4, 2, 4, 8192), 3) == [TreeConfig(2, 1, 1, 8192)]
+    assert tune.smaller_trees(TreeConfig(7, 6, 1)) == [TreeConfig(3, 2, 1)]
+    assert tune.batch_candidates(TreeConfig(8, 3, 2), [TreeConfig(4, 2, 2), TreeConfig(6, 2, 3)]) == [
+        tune.AR, TreeConfig(8, 3, 2), TreeConfig(4, 2, 2), TreeConfig(2, 1, 1), TreeConfig(6, 2, 3)]
+    assert [tune.batch_prompt_count(b, 4) for b in (1, 2, 3, 8, 32)] == [4, 4, 6, 8, 32]
+    assert tune._buckets("32,1,8,8") == (1, 8, 32)
+    for bad in ("3", "0", "128", "1,x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="batch sizes"):
+            tune._buckets(bad)
+
+
+def test_batch_entry_picks_the_fastest_autoregressive_included():
+    a, b = TreeConfig(8, 3, 2), TreeConfig(4, 2, 2)
+    rows = [{"tree": tune.AR, "tokens_per_s": 50.0, "tau": 1.0}, {"tree": a, "tokens_per_s": 40.0, "tau": 3.0},
+            {"tree": b, "tokens_per_s": 45.0, "tau": 2.0}]
+    entry = tune.batch_entry(rows, 32, "64 prompts")
+    assert entry["tree"] == "autoregressive" and entry["measured"]["speedup_vs_ar"] == 1.0
+    assert [c["tree"] for c in entry["measured"]["candidates"]] == ["ar", "8/3/2", "4/2/2"]
+    rows[2]["tokens_per_s"] = 60.0
+    entry = tune.batch_entry(rows, 8, "8 prompts")
+    assert entry["tree"] == b.to_dict() and entry["measured"]["speedup_vs_ar"] == 1.2
+    assert entry["measured"]["batch_size"] == 8 and entry["measured"]["tokens_per_s"] == 60.0
+    with pytest.raises(ValueError):
+        tune.fastest([])
+
+
+def test_tune_batch_measures_every_candidate_through_generate(tiny_llama, monkeypatch):
+    """Each candidate decodes every prompt through gen.generate(prompts, batch_size=B); AR as
+    autoregressive=True; the trees through set_tree; every prompt's tokens are counted."""
+    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=tiny_llama)  # self-draft: all accepted
+    calls = []
+    real = gen.generate
+
+    def spy(prompts, **kw):
+        calls.append((len(prompts), kw["batch_size"], kw["autoregressive"], gen.tree.label))
+        return real(prompts, **kw)
+
+    monkeypatch.setattr(gen, "generate", spy)
+    prompts = [[5, 17, 99, 3, 42], [7, 7, 30, 101], [90, 4, 56, 23], [1, 2, 3]]
+    candidates = tune.batch_candidates(TreeConfig(8, 3, 2))
+    entry = tune.tune_batch(gen, prompts, candidates, 2, max_new_tokens=6, repeats=2, log=lambda msg: None)
+    assert len(calls) == 2 * len(candidates) and all(c[:2] == (4, 2) for c in calls)
+    assert {(c[2], c[3]) for c in calls if not c[2]} == {(False, t.label) for t in candidates if t.drafts}
+    m = entry["measured"]
+    rows = {r["tree"]: r for r in m["candidates"]}
+    assert set(rows) == {"ar", "8/3/2", "4/2/2", "2/1/1"}
+    assert all(r["new_tokens"] == 2 * 4 * 6 for r in rows.values())  # no EOS: every prompt to max_new_tokens
+    assert rows["ar"]["tau"] == 1.0 and rows["8/3/2"]["tau"] > rows["2/1/1"]["tau"] > 1.0
+    best = max(rows, key=lambda k: rows[k]["tokens_per_s"])
+    assert entry["tree"] == ("autoregressive" if best == "ar" else TreeConfig.parse(best).to_dict())
+    assert m["tuned"] and m["batch_size"] == 2 and m["tokens_per_s"] == rows[best]["tokens_per_s"]
 
 
 # ------------------------------------------------------------------------------------------ tuner logic

@@ -1,8 +1,9 @@
 """Tree tuner: choose the draft tree (total_tokens, depth, top_k) that decodes fastest for a target, its head
-and a device, and write it into ``trees/presets.json``.
+and a device, per batch size, and write it into the package's presets, ``fsd_eagle/presets.json``.
 
-    python -m trees.tune --device cpu [--target DIR] [--head DIR] [--out trees/presets.json]
+    python -m trees.tune --device cpu [--target DIR] [--head DIR] [--out fsd_eagle/presets.json]
     python -m trees.tune --device cuda --compile --trees 60/6/10,48/5/8,96/7/10 --validate 8
+    python -m trees.tune --device cuda --compile --trees 64/6/8/v16384 --batch-sizes 1,8,32
 
 The second form (shortlist) skips steps 1-3 below: each listed tree is decoded for real as in step 4 and the
 fastest kept. Use it on GPUs, where the eagerly timed stage costs of step 1 measure kernel-launch overhead
@@ -32,6 +33,15 @@ Method (greedy decoding, exact rule):
    hits all alike. "Steady" tokens/s counts every round at its decode's median round time (bursts of load
    elsewhere removed). The preset is the drafting tree with the best measured steady tokens/s; its measured
    tokens/s and tau, the baselines, the replayed tau and the model's error are recorded with it.
+
+Batch buckets (``--batch-sizes``, powers of two 1 to 64; default 1). Bucket 1 is the method above: the device
+entry's own tree. For each larger bucket B, a few candidates (the bucket-1 winner, trees derived from it by
+halving its size, any ``--batch-trees``, and plain autoregressive decoding) are measured through the public
+API, ``gen.generate(prompts, batch_size=B)`` over ``max(B, --validate)`` prompts rounded up to whole batches:
+throughput = new tokens of all prompts / wall time, the candidates in rotating order over
+``--batch-repeats`` passes. The fastest, autoregressive decoding included, is written under the device
+entry's "batch" object (fsd_eagle.trees_presets documents the format). Without bucket 1 in the list, the
+winner is the presets file's current tree for the target and device.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +68,7 @@ from fsd_eagle.errors import ConfigError
 from fsd_eagle.models import default_head_path, head_weights_sha256
 from fsd_eagle.schedule import decode
 from fsd_eagle.tree import draft_tree
+from fsd_eagle.trees_presets import AUTOREGRESSIVE, BUCKETS, model_name, preset_for
 from fsd_eagle.verify import AcceptanceRule
 
 GRID_TOTALS = (4, 8, 16, 32, 60, 96)
@@ -65,7 +77,8 @@ GRID_TOP_KS = (1, 4, 8, 10)
 COST_SIZES = (1, 2, 4, 8, 16, 32, 60, 96)
 AR = TreeConfig(total_tokens=1, depth=1, top_k=1)
 DEFAULT_TREE = TreeConfig()
-DEFAULT_OUT = Path(__file__).resolve().parent / "presets.json"
+#: The package's presets in this checkout (what fsd_eagle.trees_presets reads, shipped in the wheel).
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "fsd_eagle" / "presets.json"
 
 
 # ----------------------------------------------------------------------------------------------- the grid
@@ -203,6 +216,12 @@ def prune(predicted: dict[TreeConfig, float], keep_frac: float, min_keep: int) -
         return set()
     best = predicted[ranked[0]]
     return {c for i, c in enumerate(ranked) if i < min_keep or predicted[c] >= keep_frac * best}
+
+
+def rotated(items: Sequence, i: int) -> list:
+    """``items`` starting at position i (mod its length): the order of pass i, so that each goes first in turn
+    and load from other processes hits all alike."""
+    return list(items[i % len(items):]) + list(items[: i % len(items)])
 
 
 def pick(rows: Sequence[dict]) -> dict:
@@ -404,7 +423,7 @@ def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[
     tree: tau, tokens/s, steady tokens/s (rounds at their median time), median speedup over AR."""
     measured: dict[TreeConfig, list[Run]] = {c: [] for c in trial}
     for i, prompt in enumerate(prompts):
-        for cfg in list(trial[i % len(trial):]) + list(trial[: i % len(trial)]):  # rotate who goes first
+        for cfg in rotated(trial, i):
             measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens))
         log(f"measured prompt {i + 1}/{len(prompts)}")
     rows = []
@@ -419,11 +438,16 @@ def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[
     return measured, rows
 
 
+def row_json(row: dict) -> dict:
+    """A measured row as the presets file records it: the tree by its label, numbers to 3 decimals."""
+    return {k: (v.label if k == "tree" else round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+
+
 def summarize(rows: list[dict], runs: str) -> tuple[dict, dict]:
     """The chosen row (see ``pick``) and the preset entry's common fields for measured ``rows``."""
     choice = pick(rows)
     by_tree = {r["tree"]: r for r in rows}
-    fmt = lambda r: {k: (v.label if k == "tree" else round(v, 3)) for k, v in r.items()}  # noqa: E731
+    fmt = row_json
     entry = {
         "tokens_per_s": round(choice["tokens_per_s"], 3),
         "steady_tokens_per_s": round(choice["steady_tokens_per_s"], 3),
@@ -553,6 +577,105 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
     return {"tree": choice["tree"].to_dict(), "measured": entry}
 
 
+# ---------------------------------------------------------------------------------------------- batch buckets
+
+def smaller_trees(tree: TreeConfig, count: int = 2) -> list[TreeConfig]:
+    """Up to ``count`` trees derived from ``tree``, each half the size of the one before (total_tokens halved,
+    one level shallower, top_k at most the nodes below the root; the draft vocabulary kept): candidates for
+    batches large enough to make the verify forward compute-bound. None below 2 tokens."""
+    out, t = [], tree
+    for _ in range(count):
+        total = t.total_tokens // 2
+        if total < 2:
+            break
+        t = TreeConfig(total, max(1, min(t.depth - 1, total - 1)), min(t.top_k, total - 1), t.draft_vocab)
+        out.append(t)
+    return out
+
+
+def batch_candidates(winner: TreeConfig, extra: Sequence[TreeConfig] = (), smaller: int = 2) -> list[TreeConfig]:
+    """What a batch bucket measures: autoregressive decoding, the bucket-1 winner, ``smaller`` trees halved
+    from it and any ``extra`` trees, each once."""
+    return list(dict.fromkeys([AR, winner, *smaller_trees(winner, smaller), *extra]))
+
+
+def batch_prompt_count(batch_size: int, least: int) -> int:
+    """Prompts a bucket decodes: at least ``least`` and one batch, rounded up to whole batches."""
+    return math.ceil(max(batch_size, least) / batch_size) * batch_size
+
+
+def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batch_size: int, *,
+                  max_new_tokens: int = 64, repeats: int = 1, log: Callable[[str], None] = _log) -> list[dict]:
+    """Decode all ``prompts`` with each candidate (AR: ``autoregressive=True``) through the public API,
+    ``gen.generate(prompts, batch_size=batch_size)``, greedy, ``repeats`` passes with the candidates in
+    rotating order. One row per candidate: tokens/s (new tokens of every prompt and pass / wall seconds),
+    tau (new tokens / target forwards), new tokens and seconds. On CUDA each candidate first decodes the
+    prompts for 8 tokens, untimed, so that graph capture and compilation stay out of the timings."""
+
+    def run(cfg: TreeConfig, new_tokens: int) -> tuple[float, list]:
+        if cfg.drafts:
+            gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab)
+        start = time.perf_counter()
+        results = gen.generate(list(prompts), max_new_tokens=new_tokens, batch_size=batch_size,
+                               autoregressive=not cfg.drafts)
+        return time.perf_counter() - start, results
+
+    if gen.target.device.type == "cuda":
+        for cfg in candidates:
+            run(cfg, 8)
+    totals = {cfg: [0, 0, 0.0] for cfg in candidates}  # new tokens, target forwards, seconds
+    for i in range(repeats):
+        for cfg in rotated(candidates, i):
+            seconds, results = run(cfg, max_new_tokens)
+            totals[cfg][0] += sum(r.stats.new_tokens for r in results)
+            totals[cfg][1] += sum(r.stats.target_forwards for r in results)
+            totals[cfg][2] += seconds
+        log(f"batch {batch_size}: pass {i + 1}/{repeats}: " + ", ".join(
+            f"{c.label} {totals[c][0] / totals[c][2]:.1f} tok/s" for c in candidates))
+    return [{"tree": cfg, "tokens_per_s": new / seconds if seconds > 0 else 0.0, "tau": new / max(fwd, 1),
+             "new_tokens": new, "seconds": seconds} for cfg, (new, fwd, seconds) in totals.items()]
+
+
+def fastest(rows: Sequence[dict]) -> dict:
+    """The batch bucket's choice: the row with the best tokens/s, autoregressive decoding included."""
+    if not rows:
+        raise ValueError("no candidate was measured")
+    return max(rows, key=lambda r: r["tokens_per_s"])
+
+
+def batch_entry(rows: Sequence[dict], batch_size: int, runs: str) -> dict:
+    """The presets entry of a batch bucket from measured rows: the fastest tree ("autoregressive" when
+    decoding without a drafter won) and every candidate's numbers."""
+    choice = fastest(rows)
+    ar = next((r for r in rows if not r["tree"].drafts), None)
+    measured = {"tuned": True, "batch_size": batch_size, "tokens_per_s": round(choice["tokens_per_s"], 3),
+                "tau": round(choice["tau"], 3)}
+    if ar is not None and ar["tokens_per_s"] > 0:
+        measured["speedup_vs_ar"] = round(choice["tokens_per_s"] / ar["tokens_per_s"], 3)
+    measured["validation"] = (f"{runs}, greedy, gen.generate(prompts, batch_size={batch_size}) per candidate, "
+                              "candidates in rotating order; tokens_per_s = new tokens of all prompts / wall "
+                              "time; chosen: the best tokens_per_s, autoregressive decoding included")
+    measured["candidates"] = [row_json(r) for r in rows]
+    tree = choice["tree"]
+    return {"tree": tree.to_dict() if tree.drafts else AUTOREGRESSIVE, "measured": measured}
+
+
+def tune_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batch_size: int, *,
+               max_new_tokens: int = 64, repeats: int = 1, log: Callable[[str], None] = _log) -> dict:
+    """Measure the candidates for one batch bucket (``measure_batch``) and return its presets entry
+    ({"tree": ..., "measured": ...}; "measured" without the run's description, which the caller adds)."""
+    start = time.perf_counter()
+    rows = measure_batch(gen, prompts, candidates, batch_size, max_new_tokens=max_new_tokens, repeats=repeats,
+                         log=log)
+    entry = batch_entry(rows, batch_size, f"{len(prompts)} prompts, {max_new_tokens} new tokens, "
+                                          f"{repeats} pass(es)")
+    entry["measured"] = {"tuned": True, "method": "batched: every candidate decoded for real through the public API",
+                         "compiled_rounds": bool(getattr(gen, "compile", False)),
+                         **{k: v for k, v in entry["measured"].items() if k != "tuned"},
+                         "seconds": round(time.perf_counter() - start, 1)}
+    return entry
+
+
 def device_description(device: torch.device, threads: int) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
@@ -568,13 +691,33 @@ def device_description(device: torch.device, threads: int) -> str:
     return f"cpu: {name}, {os.cpu_count()} cores, {threads} torch thread(s), load average {load:.1f} at start"
 
 
-def write_preset(path: Path, model: str, device_type: str, entry: dict) -> None:
-    """Set table[model][device_type] = entry in the presets file (created if absent), keeping the rest."""
+def write_preset(path: Path, model: str, device_type: str, entry: dict, bucket: int = 1) -> None:
+    """Set the presets file's entry for a model, device type and batch bucket, keeping the rest: bucket 1
+    replaces the device entry's own "tree" and "measured" (its "batch" object kept), a larger bucket that
+    bucket of "batch". The file is created if absent and replaced atomically (a temporary file in its folder,
+    then os.replace): a reader, or a tuner interrupted mid-write, never leaves half a file."""
+    if bucket not in BUCKETS:
+        raise ConfigError(f"a batch bucket is one of {', '.join(map(str, BUCKETS))}; got {bucket!r}")
+    path = Path(path)
     table = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    table.setdefault(model, {})[device_type] = entry
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    devices = table.setdefault(model, {})
+    old = devices.get(device_type, {})
+    if bucket == 1:
+        devices[device_type] = {**entry, **({"batch": old["batch"]} if "batch" in old else {})}
+    else:
+        batch = {**old.get("batch", {}), str(bucket): entry}
+        devices[device_type] = {**old, "batch": dict(sorted(batch.items(), key=lambda kv: int(kv[0])))}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(table, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _trees(text: str) -> list[TreeConfig]:
@@ -587,6 +730,18 @@ def _trees(text: str) -> list[TreeConfig]:
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    """"1,8,32" -> (1, 8, 32): batch buckets, powers of two 1 to 64, sorted and each once."""
+    try:
+        sizes = {int(x) for x in text.split(",")}
+    except ValueError:
+        sizes = set()
+    if not sizes or not sizes <= set(BUCKETS):
+        raise argparse.ArgumentTypeError(f"expected batch sizes among {','.join(map(str, BUCKETS))} "
+                                         f"(e.g. 1,8,32), got {text!r}")
+    return tuple(sorted(sizes))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -611,9 +766,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure only these trees (total/depth/top_k; AR and 60/6/10 are added) by real decoding "
                         "of --validate prompts, no cost model: the way to tune for a GPU")
     p.add_argument("--compile", action="store_true", help="GPU: decode with compiled rounds (as generate(compile=True))")
+    p.add_argument("--batch-sizes", type=_buckets, default=(1,), metavar="B,...",
+                   help="batch buckets to tune (powers of two 1 to 64; 1: the tree for single prompts, as above; "
+                        "larger: the winner, trees halved from it, --batch-trees and AR decoded in batches of B)")
+    p.add_argument("--batch-trees", type=_trees, default=(), metavar="T/D/K,...",
+                   help="more candidates for every bucket above 1")
+    p.add_argument("--batch-repeats", type=int, default=1, help="timed passes over a bucket's prompts per candidate")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores that the load average leaves idle, at least 1)")
     a = p.parse_args(argv)
+    if a.batch_repeats < 1:
+        p.error(f"--batch-repeats must be >= 1, got {a.batch_repeats}")
 
     cores = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -624,39 +787,58 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from fsd_eagle.api import SpeculativeGenerator
-    from fsd_eagle.trees_presets import model_name
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, tree=DEFAULT_TREE,
                                     compile=a.compile, threads=threads)
     name = model_name(gen.target.model.config)
-    texts = held_out_prompts(a.prompts if a.trees is None else a.validate)
+    batches = [b for b in a.batch_sizes if b > 1]
+    single = (a.prompts if a.trees is None else a.validate) if 1 in a.batch_sizes else 0
+    texts = held_out_prompts(max([single] + [batch_prompt_count(b, a.validate) for b in batches]))
     prompts = [gen.encode(text) for _, text in texts]
-    if a.trees is not None:
-        _log(f"{name} on {a.device}: {len(a.trees)} trees measured on {len(prompts)} prompts")
-        entry = tune_shortlist(gen, prompts, a.trees, max_new_tokens=a.max_new_tokens)
-        grid = {"trees": [t.label for t in a.trees]}
-    else:
-        configs = candidate_grid(a.totals, a.depths, a.top_ks)
-        _log(f"{name} on {a.device} ({threads} thread(s)): {len(configs)} trees, {len(prompts)} prompts")
-        entry = tune(gen, prompts, configs, max_new_tokens=a.max_new_tokens, validate=a.validate,
-                     finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats)
-        grid = {"grid": {"total_tokens": list(a.totals), "depth": list(a.depths), "top_k": list(a.top_ks)}}
-    m = entry["measured"]
-    described = {"date": datetime.date.today().isoformat(),
-                 "device": device_description(gen.target.device, threads),
-                 "dtype": str(gen.target.dtype).replace("torch.", ""),
-                 "torch": torch.__version__, "transformers": transformers.__version__,
-                 "command": "python -m trees.tune " + " ".join(sys.argv[1:] if argv is None else argv),
-                 "head": str(a.head) if a.head else "shipped head",
-                 "head_sha256": head_weights_sha256(Path(a.head) if a.head else default_head_path(name)),
-                 "prompts": [src for src, _ in texts], **grid}
-    entry["measured"] = {"tuned": m.pop("tuned"), **described, **m}
-    print(json.dumps({name: {a.device: entry}}, indent=2))
+    command = "python -m trees.tune " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def described(entry: dict, sources: list[str], extra: dict) -> dict:
+        """The entry with the run's description (date, device, versions, command, head, prompts) first."""
+        m = entry["measured"]
+        head_sha = head_weights_sha256(Path(a.head) if a.head else default_head_path(name))
+        return {**entry, "measured": {
+            "tuned": m.pop("tuned"), "date": datetime.date.today().isoformat(),
+            "device": device_description(gen.target.device, threads),
+            "dtype": str(gen.target.dtype).replace("torch.", ""), "torch": torch.__version__,
+            "transformers": transformers.__version__, "command": command,
+            "head": str(a.head) if a.head else "shipped head", "head_sha256": head_sha,
+            "prompts": sources, **extra, **m}}
+
+    entries: dict[int, dict] = {}
+    if single:
+        if a.trees is not None:
+            _log(f"{name} on {a.device}: {len(a.trees)} trees measured on {single} prompts")
+            entry = tune_shortlist(gen, prompts[:single], a.trees, max_new_tokens=a.max_new_tokens)
+            grid = {"trees": [t.label for t in a.trees]}
+        else:
+            configs = candidate_grid(a.totals, a.depths, a.top_ks)
+            _log(f"{name} on {a.device} ({threads} thread(s)): {len(configs)} trees, {single} prompts")
+            entry = tune(gen, prompts[:single], configs, max_new_tokens=a.max_new_tokens, validate=a.validate,
+                         finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats)
+            grid = {"grid": {"total_tokens": list(a.totals), "depth": list(a.depths), "top_k": list(a.top_ks)}}
+        entries[1] = described(entry, [src for src, _ in texts[:single]], grid)
+    winner = TreeConfig(**entries[1]["tree"]) if single else preset_for(name, a.device, a.out)
+    for b in batches:
+        n = batch_prompt_count(b, a.validate)
+        candidates = batch_candidates(winner, a.batch_trees)
+        _log(f"{name} on {a.device}, batch {b}: {', '.join(c.label for c in candidates)} on {n} prompts")
+        entry = tune_batch(gen, prompts[:n], candidates, b, max_new_tokens=a.max_new_tokens, repeats=a.batch_repeats)
+        entries[b] = described(entry, [src for src, _ in texts[:n]], {"bucket_1_tree": winner.label})
+    print(json.dumps({name: {a.device: {**entries.get(1, {}),
+                                        **({"batch": {str(b): entries[b] for b in batches}} if batches else {})}}},
+                     indent=2))
     if not a.dry_run:
-        write_preset(a.out, name, a.device, entry)
-        _log(f"wrote {name}/{a.device} = {TreeConfig(**entry['tree']).label} to {a.out}")
+        for b, entry in entries.items():
+            write_preset(a.out, name, a.device, entry, bucket=b)
+            tree = entry["tree"] if isinstance(entry["tree"], str) else TreeConfig(**entry["tree"]).label
+            _log(f"wrote {name}/{a.device}" + (f"/batch {b}" if b > 1 else "") + f" = {tree} to {a.out}")
     return 0
 
 
