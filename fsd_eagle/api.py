@@ -19,7 +19,8 @@ from .errors import BusyError, ConfigError, InputError
 from .head import EagleHead, HeadConfig
 from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
 from .schedule import Request, Scheduler
-from .session import BATCH_BUCKETS, Plan, Session, batch_bucket
+from .session import Plan, Session, session_rows
+from .trees_presets import BUCKETS
 from .target import Target
 from .verify import AcceptanceRule
 
@@ -72,6 +73,7 @@ class SpeculativeGenerator:
         # A drafter over ``target`` for tools that time drafting steps directly (decoding uses sessions).
         self.drafter: SlotDrafter | None = self.engine.new_drafter(self.engine.target)
         self._tree = tree
+        self._overrides: dict | None = None  # set_tree's explicit values while the tree follows the presets
         self._cuda_graphs = True  # replay rounds (and prefills) as CUDA graphs on GPUs, for every rule
         self._compile = False  # compile rounds with torch.compile before capture (GPUs; ~1 min once per plan)
         self._attention: str | None = None  # preferred tree attention of compiled rounds (see use_attention)
@@ -155,24 +157,46 @@ class SpeculativeGenerator:
         draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
         gen = cls(model, tokenizer, head_module, draft, tree or TreeConfig())
         gen.configure(compile=compile)
-        if tree is None:  # the tuned preset for this target and device type (trees/presets.json), else defaults
+        if tree is None:  # the tuned preset for this target and device type (fsd_eagle/presets.json), else defaults
             gen.set_tree()
         return gen
 
     def set_tree(self, total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
                  draft_vocab: int | None = None) -> TreeConfig:
-        """Use the tuned preset for this target and device (trees/presets.json), with any value given here
-        overriding it; returns the tree now in use. A preset's draft vocabulary applies only to a drafter
-        with a token ranking (the shipped head has one); ``draft_vocab`` = 0 drafts among all tokens."""
-        from .trees_presets import preset_tree, with_overrides
-
-        preset = preset_tree(self.target)
-        if draft_vocab is None and (not self._has_ranking() or preset.draft_vocab > self.target.vocab_size):
-            preset = with_overrides(preset, draft_vocab=0)
-        tree = with_overrides(preset, total_tokens, depth, top_k, draft_vocab)
+        """Use the tuned presets for this target and device (fsd_eagle/presets.json), with any value given
+        here overriding them; returns the tree of one prompt at a time. Calls that decode several prompts
+        together use the preset of their batch size (smaller trees, or plain autoregressive decoding, where
+        the tuner measured them faster), with the same overrides; with any override given, a batch never
+        switches to autoregressive decoding. A preset's draft vocabulary applies only to a drafter with a
+        token ranking (the shipped head has one); ``draft_vocab`` = 0 drafts among all tokens."""
+        overrides = dict(total_tokens=total_tokens, depth=depth, top_k=top_k, draft_vocab=draft_vocab)
+        tree = self._preset_tree(1, overrides)[0]
         self._check_tree(tree)
-        self._tree = tree
+        self._tree, self._overrides = tree, overrides
         return tree
+
+    def _preset_tree(self, batch: int, overrides: dict) -> tuple[TreeConfig, bool]:
+        """The preset tree for ``batch`` prompts with ``overrides``, and whether to draft at all."""
+        from .trees_presets import preset, with_overrides
+
+        found = preset(self.target, batch_size=batch)
+        tree = found.tree
+        if overrides["draft_vocab"] is None and (not self._has_ranking() or tree.draft_vocab > self.target.vocab_size):
+            tree = with_overrides(tree, draft_vocab=0)
+        explicit = any(v is not None for v in overrides.values())
+        return with_overrides(tree, **overrides), explicit or not found.autoregressive
+
+    def _batch_tree(self, rows: int) -> tuple[TreeConfig, bool]:
+        """The tree (and whether to draft) for ``rows`` prompts decoded together: the batch's preset while
+        the tree follows the presets (``set_tree``), else the tree given."""
+        if rows == 1 or self._overrides is None:
+            return self._tree, True
+        tree, drafts = self._preset_tree(rows, self._overrides)
+        try:
+            self._check_tree(tree)
+        except ConfigError:
+            return self._tree, drafts
+        return tree, drafts
 
     def _has_ranking(self) -> bool:
         return self.drafter is not None and self.drafter.ranking is not None
@@ -332,7 +356,7 @@ class SpeculativeGenerator:
         prompt is checked before the first one runs."""
         calls = self._prepare_many(prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
                                    autoregressive, batch_size)
-        rows = min(batch_size or BATCH_BUCKETS[-1], len(calls), BATCH_BUCKETS[-1])
+        rows = min(batch_size or BUCKETS[-1], len(calls), BUCKETS[-1])
         with self._calls.hold():
             for i, piece in self._decode(calls, rows):
                 if isinstance(piece, GenerationResult):
@@ -366,18 +390,20 @@ class SpeculativeGenerator:
     def session(self, autoregressive: bool = False, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                 fuzzy: FuzzyConfig | None = None, batch: int = 1) -> Session:
         """The session that a call with these arguments uses now (same tree, graph and compile settings;
-        ``batch`` rows, rounded up to a bucket): for tools that time or inspect rounds (its ``graph``,
+        ``batch`` prompts decoded together: the batch's tree, rows rounded up to a bucket): for tools that time or inspect rounds (its ``graph``,
         ``prefills``, ``state``, ``mode``, ``launch``)."""
         rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k), fuzzy or FuzzyConfig())
-        return self._session(not autoregressive, rule, batch_bucket(batch))
+        return self._session(not autoregressive, rule, batch)
 
-    def _session(self, drafting: bool, rule: AcceptanceRule, batch: int) -> Session:
-        """The kept session of this plan: calls that differ only in temperature, top-p, top-k, threshold,
-        seed or prompts share one (and its graphs)."""
-        drafting = drafting and self.engine.has_drafter and self.tree.drafts
+    def _session(self, drafting: bool, rule: AcceptanceRule, rows: int) -> Session:
+        """The kept session for ``rows`` prompts under ``rule``: calls that differ only in temperature,
+        top-p, top-k, threshold, seed or prompts share one (and its graphs). The tree is the batch's
+        (``_batch_tree``)."""
+        tree, drafts = self._batch_tree(rows)
+        drafting = drafting and drafts and self.engine.has_drafter and tree.drafts
         form = rule.form if drafting else rule.form.exact()
         graphs = self._cuda_graphs and self.target.device.type == "cuda"
-        plan = Plan(self.tree, form, drafting, graphs, self._compile and graphs, self._attention, batch)
+        plan = Plan(tree, form, drafting, graphs, self._compile and graphs, self._attention, session_rows(rows))
         if plan not in self._sessions:
             self._sessions[plan] = Session(self.engine, plan)
         return self._sessions[plan]
@@ -386,7 +412,7 @@ class SpeculativeGenerator:
                 ) -> Iterator[tuple[int, str | GenerationResult]]:
         """Decode ``calls`` (one rule form) on ``rows`` rows: yield (index, text piece) as text is accepted
         (with ``streaming``) and (index, GenerationResult) when a call ends."""
-        session = self._session(not calls[0].autoregressive, calls[0].rule, batch_bucket(rows))
+        session = self._session(not calls[0].autoregressive, calls[0].rule, rows)
         requests = [Request(c.prompt_ids, c.max_new_tokens, c.rule, c.seed, c.stats) for c in calls]
         outputs = [_Output(self.tokenizer, self.eos_ids, c, streaming) for c in calls]
         scheduler = Scheduler(session, requests, rows)

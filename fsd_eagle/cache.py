@@ -42,6 +42,7 @@ class SlotCache(Cache):
         self._layer_index = [torch.full((1, 1, 1, 1), i, dtype=torch.long, device=device) for i in range(num_layers)]
         self._row_index = torch.arange(batch, device=device).view(1, batch, 1, 1)
         self._head_index = torch.arange(num_kv_heads, device=device).view(1, 1, num_kv_heads, 1)
+        self._layers = torch.arange(num_layers, device=device)
 
     def set_write_slots(self, slots: torch.Tensor) -> None:
         """Where the next forward's n tokens of each row go, ``[B, n]`` (in place: a captured graph keeps the
@@ -82,11 +83,12 @@ class SlotCache(Cache):
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy each row's slots ``src`` ``[B, P]`` to its slots ``dst`` ``[B, P]`` in every layer (gather
-        first, so overlaps are safe)."""
-        two, layers, b, h, _, d = self.kv.shape
-        shape = (two, layers, b, h, src.shape[1], d)
-        moved = self.kv.gather(4, src.view(1, 1, b, 1, -1, 1).expand(shape))
-        self.kv.scatter_(4, dst.view(1, 1, b, 1, -1, 1).expand(shape), moved)
+        first, so overlaps are safe). Indexing the whole buffer with an index tensor per dimension, not
+        ``gather``/``scatter_``: inductor lowers a ``scatter_`` into a buffer as two copies of all of it."""
+        b, p = src.shape
+        where = (self._kv_index.view(2, 1, 1, 1, 1), self._layers.view(1, -1, 1, 1, 1),
+                 self._row_index.view(1, 1, b, 1, 1), self._head_index.view(1, 1, 1, -1, 1))
+        self.kv.index_put_(where + (dst.view(1, 1, b, 1, p),), self.kv[where + (src.view(1, 1, b, 1, p),)])
 
     def load_row(self, row: torch.Tensor, other: "SlotCache") -> None:
         """Row ``row`` (a ``[1]`` index tensor) takes every slot of ``other``'s single row (same size)."""

@@ -210,9 +210,12 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.n_kv, self.dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if kv is not None:
-            where = slots.view(b, 1, n, 1).expand(b, self.n_kv, n, self.dim)
-            kv.keys.scatter_(2, where, k)
-            kv.values.scatter_(2, where, v)
+            # Indexing the whole buffer (an index tensor per dimension): inductor lowers a scatter_ into a
+            # buffer as two copies of all of it.
+            where = (torch.arange(b, device=x.device).view(b, 1, 1),
+                     torch.arange(self.n_kv, device=x.device).view(1, -1, 1), slots.view(b, 1, n))
+            kv.keys.index_put_(where, k)
+            kv.values.index_put_(where, v)
             out = attend(q, kv.keys, kv.values, mask)
         elif context is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads > self.n_kv)

@@ -21,17 +21,12 @@ from .decode import (RoundResult, RoundState, capture, capture_first, compiled_p
 from .drafter import DraftRoot, ModelDrafter
 from .engine import Engine
 from .sampling import RuleForm
+from .trees_presets import BUCKETS
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def batch_bucket(rows: int) -> int:
-    """Rows a session gets for ``rows`` prompts decoded together: the next power of two (one captured graph
-    and one compilation per bucket), at most the largest bucket."""
-    for b in BATCH_BUCKETS:
-        if rows <= b:
-            return b
-    return BATCH_BUCKETS[-1]
+def session_rows(rows: int) -> int:
+    """Rows a session gets for ``rows`` prompts decoded together: the next batch bucket (one captured graph
+    and one compilation per bucket), at most the largest."""
+    return next((b for b in BUCKETS if rows <= b), BUCKETS[-1])
 
 
 @dataclass(frozen=True)

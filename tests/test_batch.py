@@ -17,7 +17,7 @@ from fsd_eagle.config import SamplingConfig, TreeConfig
 from fsd_eagle.engine import Engine
 from fsd_eagle.head import EagleHead, HeadConfig
 from fsd_eagle.schedule import Request, Scheduler, decode
-from fsd_eagle.session import Plan, Session, batch_bucket
+from fsd_eagle.session import Plan, Session, session_rows
 from fsd_eagle.verify import AcceptanceRule
 
 from conftest import chi_square_pvalue, reference_probs, tiny_model
@@ -129,7 +129,7 @@ def test_sampling_rows_with_their_seeds_decode_as_alone():
 
 
 def test_batch_buckets():
-    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 100)] == [1, 2, 4, 8, 8, 16, 64, 64, 64]
+    assert [session_rows(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 100)] == [1, 2, 4, 8, 8, 16, 64, 64, 64]
 
 
 # --------------------------------------------------------------------------- sampling per row (chi-square)
