@@ -221,7 +221,10 @@ class Session:
         if entry is None:  # first prompt of this bucket: capture (warm-ups run on this prompt)
             args = (self.one_target, self.one_drafter, ids, length, form, one.values, one.rng)
             fn = functools.partial(prefill, *args)
-            candidates = ([functools.partial(compiled_prefill(), *args)] if self.compile else []) + [fn]
+            # Compiled prefills only for one-row sessions: dynamo compiles a prefill per session and prompt
+            # bucket (its guards hold the session's objects), ~30-60 s each, to save ~2 ms per prompt.
+            compiled = self.compile and self.batch == 1
+            candidates = ([functools.partial(compiled_prefill(), *args)] if compiled else []) + [fn]
             found = capture_first(candidates, self._prefill_state())
             entry = self.prefills[size] = (ids, length, fn, found)  # found None: this bucket runs eagerly
         _, _, fn, captured = entry
