@@ -1,5 +1,8 @@
 """The ``fsd-eagle`` command line: ``generate`` (and, from a checkout, ``train`` and ``bench``).
 
+``generate`` takes one prompt, or a JSON-lines file of them (``--input``), whose results are appended to a
+JSON-lines file (``--output``) as each prompt finishes, so that an interrupted run resumes where it stopped.
+
 torch and transformers are imported inside ``main``'s handlers, so that bad input, and a Ctrl-C at any
 moment (while they load, too), end with one line on stderr: exit status 2 for an error, 130 when
 interrupted."""
@@ -9,12 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import runpy
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import FSDError, InputError
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+BATCH_SIZE = 16  # --input: prompts decoded together by default
+PROGRESS_EVERY_S = 30.0  # --input, stderr not a terminal: seconds between progress lines
+INPUT_FIELDS = ("id", "prompt", "messages", "seed")
+# Settings a line might try to set for itself: refused, rather than silently ignored (other fields are
+# ignored, so that data sets with answers or metadata can be used as they are).
+LINE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "threshold", "divergence", "fuzzy",
+                 "fuzzy_mode", "support_top_k", "chat", "autoregressive", "batch_size")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -29,7 +43,17 @@ def _generate_parser(sub) -> None:
     from .divergence import DIVERGENCES
 
     p = sub.add_parser("generate", help="generate text with speculative decoding")
-    p.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the user message (the chat template is applied when the model has one); or --input")
+    p.add_argument("--input", metavar="FILE",
+                   help="JSON-lines file of prompts ('-' = stdin): one object a line with \"prompt\" (text) or "
+                        "\"messages\" (chat), optional \"id\" (default: the line number) and \"seed\"")
+    p.add_argument("--output", metavar="FILE",
+                   help="with --input: JSON-lines results, appended as each prompt finishes (completion order); "
+                        "ids already in the file are skipped, so rerunning resumes (default or '-': stdout)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"with --input: prompts decoded together (default {BATCH_SIZE})")
+    p.add_argument("--quiet", action="store_true", help="no progress or statistics on stderr")
     p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
     p.add_argument("--draft-model", help="a small causal LM folder to draft with instead of a head")
@@ -49,7 +73,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--fuzzy-mode", default="hybrid", help="hybrid (default) or pure")
     p.add_argument("--support-top-k", type=int, default=0, help="truncate D's support to top-k of p + rest")
     p.add_argument("--autoregressive", action="store_true", help="plain decoding of the target (baseline)")
-    p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text, no chat template")
+    p.add_argument("--no-chat", action="store_true",
+                   help="use the prompt as raw text, no chat template (--input: \"prompt\" lines)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--threads", type=int, default=None,
@@ -64,26 +89,26 @@ def _generate_parser(sub) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .api import SpeculativeGenerator
     from .config import FuzzyConfig, SamplingConfig, parse_threshold
 
     # Everything that can be checked without the model is checked before it loads.
+    if (args.prompt is None) == (args.input is None):
+        raise InputError("give one prompt, or --input FILE for a JSON-lines file of prompts" if args.prompt is None
+                         else "give one prompt or --input FILE, not both")
+    if args.input is None and (args.output is not None or args.batch_size is not None):
+        raise InputError(f"{'--output' if args.output is not None else '--batch-size'} applies to --input")
     fuzzy = FuzzyConfig(threshold=parse_threshold(args.threshold), divergence=args.divergence,
                         mode=args.fuzzy_mode, support_top_k=args.support_top_k)
     SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
-        raise InputError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {args.seed}")
+    check_seed(args.seed, "--seed")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    quiet_transformers()
-    gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
-                                    device=args.device, dtype=args.dtype, compile=args.compile, threads=args.threads)
-    # the preset, with explicit values winning
-    gen.set_tree(args.total_tokens, args.depth, args.tree_top_k, args.draft_vocab)
-    gen.use_attention(args.attention)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,
                   autoregressive=args.autoregressive)
+    if args.input is not None:
+        return run_batch(args, kwargs)
+    gen = load_generator(args)
     if args.json:
         result = gen.generate(args.prompt, **kwargs)
         print(json.dumps(result.to_dict(), ensure_ascii=False))
@@ -93,8 +118,275 @@ def run_generate(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
         else:
             print()
-            print(stats_line(piece.stats), file=sys.stderr)
+            if not args.quiet:
+                print(stats_line(piece.stats), file=sys.stderr)
     return 0
+
+
+def check_seed(seed, what: str) -> None:
+    """A seed torch takes: an integer from -2**63 to 2**64 - 1."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        got = seed if isinstance(seed, int) and not isinstance(seed, bool) else repr(seed)[:40]
+        raise InputError(f"{what} must be an integer from -2**63 to 2**64 - 1, got {got}")
+
+
+def load_generator(args: argparse.Namespace):
+    """The generator the options describe: model, drafter, tree (the preset, explicit values winning), attention."""
+    from .api import SpeculativeGenerator
+
+    quiet_transformers()
+    gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
+                                    device=args.device, dtype=args.dtype, compile=args.compile, threads=args.threads)
+    gen.set_tree(args.total_tokens, args.depth, args.tree_top_k, args.draft_vocab)
+    gen.use_attention(args.attention)
+    return gen
+
+
+# ------------------------------------------------------------------------------------ --input files
+
+
+@dataclass
+class PromptLine:
+    """One prompt of an --input file: its line number (1-based, blank lines counted), id, prompt (text or
+    chat messages) and seed (None: --seed)."""
+
+    line: int
+    id: str | int
+    prompt: str | list[dict]
+    seed: int | None = None
+
+
+def read_prompt_lines(source: str) -> list[PromptLine]:
+    """Every prompt of a JSON-lines file (plain or gzip) or of stdin (``-``), checked before any model loads:
+    InputError ``input line N: ...`` for the first line that is not usable, or for an id seen before."""
+    from .jsonl import id_key, open_binary
+
+    if source == "-":
+        lines = list(sys.stdin.buffer)
+    else:
+        with open_binary(Path(source), "input") as f:
+            try:
+                lines = list(f)
+            except (OSError, EOFError) as e:  # a damaged gzip file
+                raise InputError(f"cannot read input file {source}: {e}") from None
+    rows: list[PromptLine] = []
+    first_line: dict[str, int] = {}
+    for number, raw in enumerate(lines, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"input line {number}: not UTF-8 text (byte {e.start})") from None
+        if not text.strip():
+            continue
+        try:
+            row = _prompt_line(number, text)
+        except InputError as e:
+            raise InputError(f"input line {number}: {e}") from None
+        key = id_key(row.id)
+        if key in first_line:
+            raise InputError(f"input line {number}: duplicate id {key} (first on line {first_line[key]})")
+        first_line[key] = number
+        rows.append(row)
+    if not rows:
+        raise InputError(f"the input has no prompts ({'stdin' if source == '-' else source})")
+    return rows
+
+
+def _prompt_line(number: int, text: str) -> PromptLine:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"expected a JSON object, got {_json_type(obj)}")
+    settings = [k for k in LINE_SETTINGS if k in obj]
+    if settings:
+        raise InputError(f"\"{settings[0]}\" cannot be set per line (generation settings are the command's "
+                         f"options; a line has {', '.join(INPUT_FIELDS)})")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise InputError("needs a \"prompt\" (text) or \"messages\" (a chat), not both" if "prompt" in obj
+                         else "needs a \"prompt\" (text) or \"messages\" (a chat)")
+    if "prompt" in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str):
+            raise InputError(f"\"prompt\" must be a string, got {_json_type(prompt)}")
+        if not prompt.strip():
+            raise InputError("the prompt is empty")
+        _check_utf8(prompt, "the prompt")
+    else:
+        prompt = obj["messages"]
+        if not isinstance(prompt, list) or not prompt:
+            raise InputError("\"messages\" must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InputError(f"message {i} needs a \"role\" and a \"content\", both strings")
+            _check_utf8(m["content"], f"message {i}")
+    row_id = obj.get("id", number)
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        raise InputError(f"\"id\" must be a string or an integer, got {_json_type(row_id)}")
+    seed = obj.get("seed")
+    if seed is not None:
+        check_seed(seed, "\"seed\"")
+    return PromptLine(number, row_id, prompt, seed)
+
+
+def _json_type(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _check_utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, written as a \ud8xx escape
+        raise InputError(f"{what} is not valid Unicode text (position {e.start})") from None
+
+
+class Progress:
+    """Progress of an --input run on stderr: on a terminal one line redrawn in place (done/total, tokens/s,
+    ETA); otherwise (a log file, a pipe) a plain line every ``every_s`` seconds; and a summary line at the end.
+    ``done`` counts the prompts already in the output file; tokens/s and the ETA count this run's alone."""
+
+    def __init__(self, stream, total: int, done_before: int, every_s: float = PROGRESS_EVERY_S, clock=time.monotonic):
+        self.stream, self.total, self.before, self.every_s, self.clock = stream, total, done_before, every_s, clock
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.finished = self.tokens = 0
+        self.start = self.last = clock()
+        self.drawn = 0.0  # when the terminal line was last drawn
+        self.shown = False  # a terminal line is on screen
+
+    def status(self) -> str:
+        elapsed = max(self.clock() - self.start, 1e-9)
+        rate = self.tokens / elapsed
+        left = self.total - self.before - self.finished
+        eta = _duration(elapsed / self.finished * left) if self.finished else "?"
+        return f"{self.before + self.finished}/{self.total} done, {rate:.1f} tokens/s, ETA {eta}"
+
+    def begin(self) -> None:
+        if self.tty:
+            self._draw()
+
+    def update(self, new_tokens: int) -> None:
+        """One more prompt finished, with ``new_tokens`` tokens."""
+        self.finished += 1
+        self.tokens += new_tokens
+        now = self.clock()
+        if self.tty:
+            if not self.shown or now - self.drawn >= 0.1:  # at most 10 redraws a second
+                self._draw()
+        elif now - self.last >= self.every_s:
+            self.last = now
+            print(self.status(), file=self.stream, flush=True)
+
+    def _draw(self) -> None:
+        self.drawn = self.clock()
+        self.stream.write("\r\033[K" + self.status())
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        """Take the terminal line away (before other output on the terminal)."""
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
+
+    def end(self, output: str) -> None:
+        """The summary line, in place of the terminal line."""
+        self.clear()
+        elapsed = self.clock() - self.start
+        before = f"; {self.before} were already in {output}" if self.before else ""
+        print(f"{self.before + self.finished}/{self.total} done: {self.finished} prompts, {self.tokens} tokens in "
+              f"{elapsed:.1f} s ({self.tokens / max(elapsed, 1e-9):.1f} tokens/s){before}", file=self.stream,
+              flush=True)
+
+    def stop(self) -> None:
+        """The run ended early (an error or Ctrl-C): keep the last terminal line, if any prompt finished, as a
+        line of its own (the error comes after it), else take it away (the error stays the only line)."""
+        if self.shown and self.finished:
+            self._draw()
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = False
+        self.clear()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class _StdoutResults:
+    """Result lines on stdout: each written and flushed as its prompt finishes (no resume)."""
+
+    done: set = frozenset()
+
+    def write(self, obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def run_batch(args: argparse.Namespace, kwargs: dict) -> int:
+    """``generate --input``: every prompt of the file, ``--batch-size`` at a time, each result appended to
+    ``--output`` (or stdout) as one JSON line ``{"id": ..., "text": ..., <statistics>}`` when its prompt
+    finishes. With an output file, prompts whose id it already holds are skipped: rerunning an interrupted
+    command finishes the job."""
+    from .jsonl import ResultsFile, id_key
+
+    batch_size = BATCH_SIZE if args.batch_size is None else args.batch_size
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {batch_size}")
+    if args.output is not None and args.input != "-" and os.path.exists(args.output) \
+            and os.path.exists(args.input) and os.path.samefile(args.output, args.input):
+        raise InputError(f"--output {args.output} is the --input file")
+    rows = read_prompt_lines(args.input)
+    out = _StdoutResults() if args.output in (None, "-") else ResultsFile(Path(args.output))
+    try:
+        todo = [r for r in rows if id_key(r.id) not in out.done]
+        where = "stdout" if isinstance(out, _StdoutResults) else args.output
+        if not todo:
+            if not args.quiet:
+                print(f"all {len(rows)} prompts are already in {where}", file=sys.stderr)
+            return 0
+        gen = load_generator(args)
+        progress = Progress(sys.stderr, len(rows), len(rows) - len(todo)) if not args.quiet else None
+        run = dict(kwargs, seed=[args.seed if r.seed is None else r.seed for r in todo], batch_size=batch_size)
+        completed = False
+        try:
+            if progress:
+                progress.begin()
+            for index, result in _numbered(gen.generate_many([r.prompt for r in todo], **run), todo):
+                if progress and isinstance(out, _StdoutResults):
+                    progress.clear()  # stdout may be the same terminal
+                out.write({"id": todo[index].id, **result.to_dict()})
+                if progress:
+                    progress.update(result.stats.new_tokens)
+            completed = True
+        finally:
+            if progress and completed:
+                progress.end(where)
+            elif progress:
+                progress.stop()
+    finally:
+        out.close()
+    return 0
+
+
+def _numbered(results, rows: list[PromptLine]):
+    """generate_many's results, with its "prompt I: ..." errors (I an index into ``rows``) told as
+    "input line N: ..."."""
+    try:
+        yield from results
+    except InputError as e:
+        m = re.match(r"prompt (\d+): (.*)", str(e), re.S)
+        if m and int(m[1]) < len(rows):
+            raise InputError(f"input line {rows[int(m[1])].line}: {m[2]}") from None
+        raise
 
 
 def stats_line(stats) -> str:

@@ -1,12 +1,14 @@
-"""JSON-lines files (plain or gzip, told apart by their first bytes), read with one-line errors.
+"""JSON-lines files (plain or gzip, told apart by their first bytes), read with one-line errors, and the
+resumable results file of ``fsd-eagle generate --output``.
 
-Shared by the benchmark loaders (eval/) and the trainer's data readers (training/).
+Shared by the benchmark loaders (eval/), the trainer's data readers (training/) and the command line.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -50,3 +52,114 @@ def read_json_lines(path: Path, what: str) -> Iterator[tuple[int, dict[str, Any]
             raise InputError(f"{path}: cannot decode {what} file ({e})") from None
     if not seen:
         raise InputError(f"{what} file is empty: {path}")
+
+
+def open_binary(path: Path, what: str) -> IO[bytes]:
+    """Open a file for reading bytes, gunzipping it when it starts with the gzip magic; InputError if it
+    cannot be. Bytes, so that a reader can number the lines that are not UTF-8."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{what} file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(2)
+        return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+    except OSError as e:
+        raise InputError(f"cannot read {what} file {path}: {e.strerror or e}") from None
+
+
+def id_key(value) -> str:
+    """A record id as a set key that keeps JSON types apart (the id 3 is not the id "3")."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def json_line(obj: dict) -> bytes:
+    """One JSON object as a UTF-8 line (non-ASCII kept readable; escaped where the text is not encodable)."""
+    try:
+        return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return (json.dumps(obj) + "\n").encode("ascii")
+
+
+class ResultsFile:
+    """An append-only JSON-lines file of records with an ``"id"``, written so that a killed run can be
+    resumed: every record is one ``write`` of a whole line, then flushed to disk (``os.fsync``), so that the
+    file holds complete lines plus, at worst, one torn last line. Opening it
+
+    - takes an exclusive lock (where the OS has ``fcntl``): a second run writing the same file is refused
+      instead of interleaving lines;
+    - cuts a torn last line (bytes after the last newline: a line always ends with its newline, so these
+      are a write that did not finish) away;
+    - reads the ids already written (``done``, as ``id_key``s), refusing a file whose lines are not such
+      records (the file is then left as it was, torn tail included, since it is not ours).
+    """
+
+    def __init__(self, path: Path, what: str = "output"):
+        self.path = Path(path)
+        self.what = what
+        if self.path.exists() and not self.path.is_file():
+            raise InputError(f"{what} {self.path} is not a regular file")
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise InputError(f"cannot write {what} file {self.path}: {e.strerror or e}") from None
+        try:
+            self._lock()
+            self.done = self._read_done()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _lock(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # no advisory locks on this OS
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"{self.what} file {self.path} is being written by another run") from None
+
+    def _read_done(self) -> set[str]:
+        with open(self.fd, "rb", closefd=False) as f:
+            f.seek(0)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        done = set()
+        for number, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                obj = None
+            if not isinstance(obj, dict) or not _is_id(obj.get("id")):
+                raise InputError(f"{self.what} file {self.path}, line {number}: not a record with an \"id\" from an "
+                                 f"earlier run; pick another {self.what} file")
+            done.add(id_key(obj["id"]))
+        if end < len(data):
+            os.ftruncate(self.fd, end)
+            os.fsync(self.fd)
+        return done
+
+    def write(self, obj: dict) -> None:
+        """Append one record as a line and flush it to disk."""
+        data = memoryview(json_line(obj))
+        while data:
+            data = data[os.write(self.fd, data):]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
+            self.fd = -1
+
+    def __enter__(self) -> "ResultsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
