@@ -5,11 +5,12 @@
 
 Loads the default target and its shipped head on the CPU in float32 and decodes MT-bench first-turn
 prompts greedily (exact EAGLE-2, so the tokens are the target's greedy tokens). The pairs (p, q) are
-collected at the root of every round, with the same steps as ``fsd_eagle.decode.run_round``:
+collected at the root of every round, with the same steps as ``fsd_eagle.decode.run_round``, on the
+one-row session a greedy call uses (``gen.session()``; batch row 0 of every tensor):
 
-- q = ``runner.state.root_logits`` before the round: the head's draft logits for the token after the
+- q = ``session.state.root_logits`` before the round: the head's draft logits for the token after the
   round's root token (the tree is set with ``draft_vocab=0``, so q covers every token);
-- p = the target's logits at the tree's root node (row 0 of ``target.logits(target.forward_tree(...))``),
+- p = the target's logits at the tree's root node (node 0 of ``target.logits(target.forward_tree(...))``),
   i.e. the target's distribution for that same next token.
 
 One pair per round, until ``--pairs`` pairs are collected. For each pair every name in
@@ -42,36 +43,33 @@ def collect_pairs(gen, prompts: list[str], n_pairs: int, max_new_tokens: int = 5
     """Greedy exact decoding of each prompt in turn; returns target and draft logits ``[N, V]`` (float32,
     N <= n_pairs), one row per round (see the module docstring)."""
     from fsd_eagle.config import FuzzyConfig, SamplingConfig
-    from fsd_eagle.decode import RoundRunner, commit_round, plan_cache
+    from fsd_eagle.decode import commit_round, plan_cache
     from fsd_eagle.tree import draft_tree
     from fsd_eagle.verify import AcceptanceRule, verify_tree
 
-    target, drafter, tree_cfg = gen.target, gen.drafter, gen.tree
+    session = gen.session()
+    target, drafter, tree_cfg, st = session.target, session.drafter, session.tree, session.state
     rule = AcceptanceRule(SamplingConfig(), FuzzyConfig())
     form = rule.form
-    runner = RoundRunner(target, drafter, tree_cfg, form, use_graph=False, attention=target.attention)
     ps, qs = [], []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor(gen.encode(prompt), dtype=torch.long, device=target.device)
-            runner.begin(rule, 0)
-            max_len = plan_cache(ids.shape[0], max_new_tokens, tree_cfg)
-            target.allocate(max_len)
-            drafter.allocate(max_len, tree_cfg)
-            runner.start(*runner.prefill(ids))
-            st, produced = runner.state, 1
+            session.allocate(plan_cache(session.prompt_slots(ids.shape[0]), max_new_tokens, tree_cfg))
+            session.start(0, ids, rule, 0).read()
+            produced = 1
             while produced < max_new_tokens and len(ps) < n_pairs:
-                q = st.root_logits.float().clone()
+                q = st.root_logits[0].float().clone()
                 tree = draft_tree(drafter, st.root_token, st.root_logits, st.root_state, tree_cfg, with_q=False)
                 features = target.forward_tree(tree.tokens, tree.depths, tree.anc)
                 logits = target.logits(features)
-                ps.append(logits[0].float().clone())
+                ps.append(logits[0, 0].float().clone())
                 qs.append(q)
                 verdict = verify_tree(tree, logits, form, st.values, st.rng)
                 new = commit_round(target, drafter, st, tree, features, verdict)
-                n = int(verdict.n_accepted)
+                n = int(verdict.n_accepted[0])
                 produced += n
-                if any(int(t) in gen.eos_ids for t in new[:n]):
+                if any(int(t) in gen.eos_ids for t in new[0, :n]):
                     break
             if len(ps) >= n_pairs:
                 break

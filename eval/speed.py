@@ -109,27 +109,21 @@ def bench_hf(model, tokenizer, prompts, max_new_tokens: int, repeats: int) -> di
 
 def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -> dict:
     """Mean milliseconds per round of each stage: draft tree, target forward (with the lm_head), verification,
-    commits (both KV caches and the drafter's root step). Each stage is captured as its own CUDA graph (after
-    torch.compile if ``compile``), the four replayed in turn as a round, timed with CUDA events."""
-    from fsd_eagle.decode import RoundState, commit_round, round_attention
-    from fsd_eagle.sampling import choose
+    commits (both KV caches and the drafter's root step). Runs on the one-row session a greedy call uses
+    (its caches, round state and tree attention), tensors ``[1, ...]``, from the prompt's prefill. Each stage
+    is captured as its own CUDA graph (after torch.compile if ``compile``), the four replayed in turn as a
+    round, timed with CUDA events."""
+    from fsd_eagle.decode import commit_round, plan_cache
     from fsd_eagle.tree import draft_tree
     from fsd_eagle.verify import AcceptanceRule, verify_tree
 
-    target, drafter, cfg, rule = gen.target, gen.drafter, gen.tree, AcceptanceRule()
-    form, values = rule.form, rule.values(target.device)
-    target.use_attention(round_attention(compile, target.config, gen.attention))
+    session, rule = gen.session(), AcceptanceRule()
+    target, drafter, st, cfg, form = session.target, session.drafter, session.state, session.tree, session.form
+    target.use_attention(session.attention)
     dev = target.device
     ids = torch.tensor(gen.encode(prompt), device=dev)
-    max_len = ids.shape[0] + (rounds + 8) * (cfg.depth + 1) + cfg.total_tokens + 8
-    target.allocate(max_len)
-    drafter.allocate(max_len, cfg)
-    f = target.prefill(ids)
-    tok = choose(target.logits(f[-1:])[0], form, values, None)
-    root = drafter.prefill(torch.cat([ids, tok[None]]), f)
-    st = RoundState.create(dev)
-    st.root_token.copy_(tok)
-    st.root_logits, st.root_state = root.logits.clone(), root.state.clone()
+    session.allocate(plan_cache(session.prompt_slots(ids.shape[0]), (rounds + 8) * (cfg.depth + 1), cfg))
+    session.start(0, ids, rule, 0).read()
     box: dict = {}
 
     def draft():
@@ -141,7 +135,7 @@ def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -
         box["logits"] = target.logits(box["f"])
 
     def verify():
-        box["v"] = verify_tree(box["tree"], box["logits"], form, values)
+        box["v"] = verify_tree(box["tree"], box["logits"], form, st.values, st.rng)
 
     def commit():
         commit_round(target, drafter, st, box["tree"], box["f"], box["v"])
@@ -177,32 +171,44 @@ def stage_breakdown(gen, prompt: str, rounds: int = 30, compile: bool = False) -
     return out
 
 
-def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, compile: bool = False,
-                       rounds: int = 30) -> dict:
-    """Random-weight Llama-3-8B-shaped target + same-shape random head: ms per round (graph replay) for AR
-    and for the default EAGLE-2 tree, and the speedup projected at ``tau`` (measured with the real head)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+class IdsOnly:
+    """The tokenizer of a random-weight model: token ids in, no text out (no real tokenizer exists)."""
+
+    eos_token_id = None
+    chat_template = None
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return ""
+
+
+def random_generator(config, dtype: torch.dtype, device: torch.device | str, seed: int | None = None):
+    """A SpeculativeGenerator over a random-weight LlamaForCausalLM of ``config`` and a same-shape random
+    EAGLE head (``seed``: torch's seed before the weights are drawn); prompts are token ids (``chat=False``)."""
+    from transformers import LlamaForCausalLM
 
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.head import EagleHead, HeadConfig
 
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+        head = EagleHead(HeadConfig.for_target(config)).to(dtype).eval()
+    return SpeculativeGenerator(model, IdsOnly(), head)
+
+
+def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, compile: bool = False,
+                       rounds: int = 30) -> dict:
+    """Random-weight Llama-3-8B-shaped target + same-shape random head: ms per round (graph replay) for AR
+    and for the default EAGLE-2 tree, and the speedup projected at ``tau`` (measured with the real head)."""
+    from transformers import LlamaConfig
+
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
-        head = EagleHead(HeadConfig.for_target(cfg)).to(dtype).eval()
-
-    class _Tok:  # token ids only: no tokenizer exists for a random model
-        eos_token_id = None
-        chat_template = None
-
-        @staticmethod
-        def decode(ids, skip_special_tokens=True):
-            return ""
-
-    gen = SpeculativeGenerator(model, _Tok(), head)
-    gen.compile = compile
+    gen = random_generator(cfg, dtype, device)
+    gen.configure(compile=compile)
     prompt = list(range(100, 612))
     out = {}
     for name, ar in (("ar", True), ("eagle2", False)):
@@ -214,7 +220,7 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
         out[f"{name}_ms_per_round"] = round(1000 * (time.perf_counter() - t) / r.stats.target_forwards, 3)
     out["projected_speedup_at_tau"] = round(tau * out["ar_ms_per_round"] / out["eagle2_ms_per_round"], 3)
     out["tau_used"] = round(tau, 3)
-    del model, head, gen
+    del gen
     torch.cuda.empty_cache()
     return out
 
@@ -360,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         ([("fsd", d, t, dict(fuzzy=FuzzyConfig(threshold=t, divergence=d))) for d, t in fsd_rows] if "fsd" in methods else [])
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     for backend in backends:
-        gen.cuda_graphs, gen.compile = backend != "eager", backend == "compiled"
+        gen.configure(cuda_graphs=backend != "eager", compile=backend == "compiled")
         for method, div, threshold, kwargs in ours:
             for temperature in temperatures:
                 sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
@@ -379,10 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = {}
     if dev.type == "cuda" and not a.rows_only:
         for backend in backends[-2:] if compiled else ["graph"]:
-            gen.cuda_graphs, gen.compile = True, backend == "compiled"
+            gen.configure(cuda_graphs=True, compile=backend == "compiled")
             extra[f"stage_ms_per_round_{backend}"] = stage_breakdown(gen, prompts[0], compile=gen.compile)
             print(backend, extra[f"stage_ms_per_round_{backend}"], flush=True)
-    gen.cuda_graphs, gen.compile = True, compiled and a.memory_compiled
+    gen.configure(cuda_graphs=True, compile=compiled and a.memory_compiled)
     # Peak memory at a 2048-token context: AR vs EAGLE-2 (graphs), prompt of 1900 tokens + 128 new.
     long_prompt = list(range(1000, 2900))
     mem = {}

@@ -99,8 +99,8 @@ def bench_flex(heads: int, kv_heads: int, dim: int, slots: int, prefix: int) -> 
     for n in (1, 8, 48):
         q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
         idx = torch.arange(n, device="cuda")
-        anc = idx.unsqueeze(1) >= idx.unsqueeze(0)
-        mask = SlotMask(torch.tensor(prefix, device="cuda"), anc, slots)
+        anc = (idx.unsqueeze(1) >= idx.unsqueeze(0)).unsqueeze(0)  # one batch row: [1, n, n]
+        mask = SlotMask(torch.tensor([prefix], device="cuda"), anc, slots)
         block_mask = prepare_mask(mask, "flex", torch.bfloat16)
         for opts in options:
             torch._dynamo.reset()  # one compile per option (the recompile limit is 8)

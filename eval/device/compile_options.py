@@ -30,10 +30,10 @@ SETTINGS = {
 def forward_ms(gen, n: int, setting: dict, reps: int = 50) -> float:
     target = gen.target
     target.allocate(2048)
-    target.prefill(torch.arange(100, 400, device=target.device))
-    tokens = torch.arange(500, 500 + n, device=target.device)
-    depths = torch.arange(n, device=target.device)
-    anc = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+    target.prefill(torch.arange(100, 400, device=target.device)[None])
+    tokens = torch.arange(500, 500 + n, device=target.device)[None]  # one batch row: [1, n]
+    depths = torch.arange(n, device=target.device)[None]
+    anc = torch.ones(1, n, n, dtype=torch.bool, device=target.device).tril()
 
     def fn():
         return target.logits(target.forward_tree(tokens, depths, anc))

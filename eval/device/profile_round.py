@@ -34,10 +34,11 @@ def replay_ms(graph: torch.cuda.CUDAGraph, rounds: int = 20) -> float:
     return start.elapsed_time(end) / rounds
 
 
-def kernel_table(runner, rounds: int = 5, top: int = 25) -> dict:
+def kernel_table(session, rounds: int = 5, top: int = 25) -> dict:
+    """The kernels of ``session``'s captured round, by GPU time per round."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = runner.graph
+    graph, _ = session.graph
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
             graph.replay()
@@ -50,11 +51,11 @@ def kernel_table(runner, rounds: int = 5, top: int = 25) -> dict:
                      "ms_per_round": round(e.self_device_time_total / rounds / 1000, 4)} for e in rows[:top]]}
 
 
-def export_trace(runner, path: str) -> None:
+def export_trace(session, path: str) -> None:
     """Chrome trace of one replayed EAGLE-2 round: every kernel in launch order with its duration."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = runner.graph
+    graph, _ = session.graph
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
@@ -100,24 +101,24 @@ def main() -> None:
                 prefill.append(s.prefill_s * 1000)
                 per_round.append(1000 * (s.elapsed_s - s.prefill_s) / max(1, s.target_forwards - 1))
                 taus.append(s.tau)
-            runner = gen.round_runner(autoregressive=ar)
+            session = gen.session(autoregressive=ar)  # the one generate() uses
             gen.generate(prompts[0], 1, autoregressive=ar)  # fresh state: replays below decode after a prefill
-            prefills = {size: entry[3] for size, entry in runner.prefills.items()}
+            prefills = {size: entry[3] for size, entry in session.prefills.items()}
             row = {"backend": backend, "method": name, "warmup_s": round(warm, 1), "tokens_per_s": round(tokens / secs, 1),
                    "tau": round(statistics.mean(taus), 3), "call_ms": round(statistics.mean(calls), 2),
                    "prefill_ms": round(statistics.mean(prefill), 2),
                    "wall_ms_per_round": round(statistics.mean(per_round), 3),
-                   "replay_ms_per_round": round(replay_ms(runner.graph[0]), 3) if runner.graph else None,
+                   "replay_ms_per_round": round(replay_ms(session.graph[0]), 3) if session.graph else None,
                    # from the last round read to the end of the call (the round launched in vain, the text)
                    "tail_ms": round(statistics.mean(tails), 2),
                    "prefill_buckets": sorted(prefills),
                    "prefill_buckets_eager": sorted(k for k, v in prefills.items() if v is None),
                    "prefill_replay_ms": {k: round(replay_ms(v[0], 5), 3) for k, v in sorted(prefills.items()) if v}}
-            if not ar and runner.graph:
+            if not ar and session.graph:
                 gen.generate(prompts[0], 1)
-                row["kernels"] = kernel_table(runner)
+                row["kernels"] = kernel_table(session)
                 if a.trace:
-                    export_trace(runner, f"{a.trace}.{backend}.json")
+                    export_trace(session, f"{a.trace}.{backend}.json")
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
             Path(a.out).write_text(json.dumps(out, indent=1))
