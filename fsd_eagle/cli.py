@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FSDError, InputError
+from .jsonl import json_type, parse_object
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 BATCH_SIZE = 16  # --input: prompts decoded together by default
@@ -97,6 +98,8 @@ def run_generate(args: argparse.Namespace) -> int:
                          else "give one prompt or --input FILE, not both")
     if args.input is None and (args.output is not None or args.batch_size is not None):
         raise InputError(f"{'--output' if args.output is not None else '--batch-size'} applies to --input")
+    if args.input is not None and args.json:
+        raise InputError("--json applies to one prompt (with --input every output line is a JSON object)")
     fuzzy = FuzzyConfig(threshold=parse_threshold(args.threshold), divergence=args.divergence,
                         mode=args.fuzzy_mode, support_top_k=args.support_top_k)
     SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -193,12 +196,7 @@ def read_prompt_lines(source: str) -> list[PromptLine]:
 
 
 def _prompt_line(number: int, text: str) -> PromptLine:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"not valid JSON ({e.msg}, column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise InputError(f"expected a JSON object, got {_json_type(obj)}")
+    obj = parse_object(text)
     settings = [k for k in LINE_SETTINGS if k in obj]
     if settings:
         raise InputError(f"\"{settings[0]}\" cannot be set per line (generation settings are the command's "
@@ -209,7 +207,7 @@ def _prompt_line(number: int, text: str) -> PromptLine:
     if "prompt" in obj:
         prompt = obj["prompt"]
         if not isinstance(prompt, str):
-            raise InputError(f"\"prompt\" must be a string, got {_json_type(prompt)}")
+            raise InputError(f"\"prompt\" must be a string, got {json_type(prompt)}")
         if not prompt.strip():
             raise InputError("the prompt is empty")
         _check_utf8(prompt, "the prompt")
@@ -223,16 +221,11 @@ def _prompt_line(number: int, text: str) -> PromptLine:
             _check_utf8(m["content"], f"message {i}")
     row_id = obj.get("id", number)
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
-        raise InputError(f"\"id\" must be a string or an integer, got {_json_type(row_id)}")
+        raise InputError(f"\"id\" must be a string or an integer, got {json_type(row_id)}")
     seed = obj.get("seed")
     if seed is not None:
         check_seed(seed, "\"seed\"")
     return PromptLine(number, row_id, prompt, seed)
-
-
-def _json_type(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _check_utf8(text: str, what: str) -> None:

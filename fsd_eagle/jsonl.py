@@ -7,6 +7,7 @@ Shared by the benchmark loaders (eval/), the trainer's data readers (training/) 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 from pathlib import Path
@@ -16,18 +17,25 @@ from .errors import InputError
 
 
 def open_text(path: Path, what: str) -> IO[str]:
-    """Open a text file, gunzipping it when it starts with the gzip magic; InputError if it cannot be."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{what} file not found: {path}")
+    """Open a UTF-8 text file, gunzipping it when it starts with the gzip magic; InputError if it cannot be."""
+    return io.TextIOWrapper(open_binary(path, what), encoding="utf-8")
+
+
+def parse_object(line: str) -> dict[str, Any]:
+    """One line as a JSON object; InputError (one line, without the file's name) otherwise."""
     try:
-        with open(path, "rb") as f:
-            magic = f.read(2)
-        if magic == b"\x1f\x8b":
-            return gzip.open(path, "rt", encoding="utf-8")
-        return open(path, encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read {what} file {path}: {e.strerror or e}") from None
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"expected a JSON object, got {json_type(obj)}")
+    return obj
+
+
+def json_type(value) -> str:
+    """How an error names a JSON value's type."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def read_json_lines(path: Path, what: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -42,11 +50,9 @@ def read_json_lines(path: Path, what: str) -> Iterator[tuple[int, dict[str, Any]
                     continue
                 seen = True
                 try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise InputError(f"{path}, line {number}: expected a JSON object, got {type(obj).__name__}")
+                    obj = parse_object(line)
+                except InputError as e:
+                    raise InputError(f"{path}, line {number}: {e}") from None
                 yield number, obj
         except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
             raise InputError(f"{path}: cannot decode {what} file ({e})") from None

@@ -28,7 +28,7 @@ Method (greedy decoding, exact rule):
 3. Model. A round costs t_target(n) + (depth - 1) t_step(top_k) + t_build + t_commit(depth + 1) + t_rest,
    t_rest being the rest of an autoregressive round; predicted tokens/s = new tokens / (prefills + rounds).
 4. Validation and choice. The ``--finalists`` best predicted trees, the EAGLE-2 default tree and plain
-   autoregressive decoding are really decoded (the library's decode loop and round runner, every round
+   autoregressive decoding are really decoded (the library's scheduler and Session, every round
    timed) on the first ``--validate`` prompts, back to back per prompt, so that load from other processes
    hits all alike. "Steady" tokens/s counts every round at its decode's median round time (bursts of load
    elsewhere removed). The preset is the drafting tree with the best measured steady tokens/s; its measured
@@ -330,7 +330,7 @@ class Tuner:
 
     @torch.no_grad()
     def decode(self, prompt: list[int], cfg: TreeConfig, max_new_tokens: int) -> "Run":
-        """A real greedy decode with this tree (AR: none), the library's loop and round runner, every round
+        """A real greedy decode with this tree (AR: none), the library's scheduler and Session, every round
         timed; stops after EOS (counted, as SpeculativeGenerator counts it)."""
         gen = self.gen
         if cfg.drafts:
@@ -468,7 +468,7 @@ def summarize(rows: list[dict], runs: str) -> tuple[dict, dict]:
 def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig], *, max_new_tokens: int = 64,
                    log: Callable[[str], None] = _log) -> dict:
     """No cost model: decode each tree of ``trees`` (with AR and the EAGLE-2 default) on every prompt with
-    the library's own round runner (CUDA graphs, compiled rounds if ``gen.compile``) and keep the fastest.
+    the library's own Session (CUDA graphs, compiled rounds if ``gen.compile``) and keep the fastest.
     For GPUs, where the model's eagerly timed stage costs say little about graph-replayed rounds."""
     start = time.perf_counter()
     tuner = Tuner(gen, log)
