@@ -1,7 +1,7 @@
 """Batched throughput: tokens per second of a whole prompt set decoded ``batch_size`` prompts at a time, for our
 plain AR, exact EAGLE-2, FSD and transformers ``generate``, at each batch size, in one process.
 
-    python -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 64      # the full benchmark
+    python -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16      # the full benchmark
     python -m eval batch --batch-sizes 1,8 --methods ar,eagle2 --limit 40 --max-new-tokens 64   # a short run
     python -m eval batch ... --resume          # after a kill: keeps the finished rows, measures the rest
 
@@ -143,13 +143,18 @@ def _warm_prompts(encoded: list[list[int]], batch_size: int) -> list[list[int]]:
 
 def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens: int, kwargs: dict, *,
                  temperature: float, top_p: float, seed: int, warmup: int) -> dict:
-    """One ``generate`` call over every prompt, ``batch_size`` at a time, timed as a whole (after ``warmup``
-    untimed calls on one batch of the longest prompts: graph capture and compilation are not timed)."""
+    """One ``generate`` call over every prompt, ``batch_size`` at a time, timed as a whole. Before it, with
+    ``warmup`` > 0: that many untimed calls on one batch of the longest prompts (the largest caches, graph
+    capture and compilation of the rounds), then a 2-token call over every prompt in the timed run's batches
+    (each prompt-length bucket's prefill graph, as eval/speed.py does), so that neither is timed."""
     dev = gen.target.device
     sampling = dict(temperature=temperature, top_p=top_p if temperature else 1.0)
     for _ in range(warmup):
         gen.generate(_warm_prompts(encoded, batch_size), max_new_tokens, batch_size=batch_size, chat=False,
                      seed=seed, **sampling, **kwargs)
+    if warmup:
+        gen.generate(encoded, min(2, max_new_tokens), batch_size=batch_size, chat=False, seed=seed, **sampling,
+                     **kwargs)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     seeds = [seed + i for i in range(len(encoded))]  # prompt i is decoded with seed + i, whatever its batch
@@ -319,8 +324,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
     p.add_argument("--compile", action="store_true", help="compile rounds with torch.compile (GPU)")
     p.add_argument("--warmup", type=int, nargs="?", const=1, default=1, metavar="N",
-                   help="untimed batches per configuration before its timed run, so that graph capture and "
-                        "compilation are not timed (default 1; 0 = none)")
+                   help="untimed batches of the longest prompts per configuration before its timed run, then a "
+                        "2-token pass over every prompt (prefill graphs), so that graph capture and compilation "
+                        "are not timed (default 1; 0 = neither)")
     p.add_argument("--output", help="result file (default: eval/results/gpu_batch.json on a GPU, cpu_batch.json "
                                     "on the CPU)")
     p.add_argument("--resume", action="store_true",
@@ -355,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_batch.json" if dev.type == "cuda" else "cpu_batch.json")
     prompts = load_prompts(a.limit)
     device, dtype = device_label(dev), str(gen.target.dtype).replace("torch.", "")
-    settings = {"target": a.target, "head": a.head, "device": device, "dtype": dtype, "threads": torch.get_num_threads(),
+    settings = {"target": a.target, "head": a.head, "device": device, "dtype": dtype,
+                "threads": torch.get_num_threads(),
                 "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "hf_limit": a.hf_limit,
                 "temperature": a.temperature, "top_p": a.top_p if a.temperature else 1.0, "seed": a.seed,
                 "tree": tree.to_dict(), "compile": a.compile, "warmup": a.warmup}

@@ -127,11 +127,11 @@ def test_hf_batch_counts_like_unpadded_generate_and_our_decoder():
 def test_resume_skips_done_rows(folders, tmp_path, list_calls, capsys):
     out = tmp_path / "b.json"
     assert eval_main(args(folders, out, methods="ar")) == 0
-    assert list_calls == [1, 1, 2, 2]  # warm-up and timed call per row
+    assert list_calls == [1, 1, 1, 2, 2, 2]  # per row: warm-up batch, 2-token pass, timed call
     first = json.loads(out.read_text())
     list_calls.clear()
     assert eval_main(args(folders, out, "--resume", methods="ar,eagle2")) == 0
-    assert list_calls == [1, 1, 2, 2]  # only the eagle2 rows
+    assert list_calls == [1, 1, 1, 2, 2, 2]  # only the eagle2 rows
     data = json.loads(out.read_text())
     assert [(r["method"], r["batch_size"]) for r in data["rows"]] == [("ar", 1), ("ar", 2), ("eagle2", 1),
                                                                       ("eagle2", 2)]

@@ -9,7 +9,7 @@
 # the run ends) and copies the partial result file and the log to $OUT. The result file is rewritten after
 # every row; a run that died is restarted with --resume and keeps its finished rows. RESUME_FROM=<file> seeds
 # a fresh host with a result file brought back from an earlier one (it must travel with the tree).
-# Default options: --device cuda --dtype bfloat16 --compile --hf-limit 64 (all batch sizes, methods, prompts);
+# Default options: --device cuda --dtype bfloat16 --compile --hf-limit 16 (all batch sizes, methods, prompts);
 # options given here are appended (a later option wins).
 set -euo pipefail
 RES=${RES:-/root/res}
@@ -27,11 +27,18 @@ if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
   tar --exclude=./.git --exclude=./.carry -cf - . | tar -xf - -C "$RES/code"
   # bash -c records its own pid (alive while the benchmark runs) and the benchmark's exit status.
   (cd "$RES/code" && PYTHONPATH="$RES/code" setsid nohup bash -c 'echo $$ > "$0/pid"; python3 -m eval batch \
-      --device cuda --dtype bfloat16 --compile --hf-limit 64 --resume --output "$0/gpu_batch.json" \
+      --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume --output "$0/gpu_batch.json" \
       ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$RES" "$@" > /dev/null 2>&1 &)
   sleep 2
 fi
 for _ in $(seq "$WAIT"); do running || break; sleep 1; done
-if running; then echo "benchmark running (pid $(cat "$RES/pid"))"; else echo "benchmark ended, status $(cat "$RES/rc" 2> /dev/null || echo unknown)"; fi
+if running; then
+  echo "benchmark running (pid $(cat "$RES/pid"))"
+else
+  echo "benchmark ended, status $(cat "$RES/rc" 2> /dev/null || echo unknown)"
+fi
 tail -n 25 "$RES/log" 2> /dev/null || true
-if [ -n "${OUT:-}" ]; then cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true; cp "$RES/gpu_batch.json" "$OUT/" 2> /dev/null || true; fi
+if [ -n "${OUT:-}" ]; then
+  cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
+  cp "$RES/gpu_batch.json" "$OUT/" 2> /dev/null || true
+fi
