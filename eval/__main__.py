@@ -6,6 +6,8 @@
     table  re-render results.json / results.md / accuracy_vs_speed.png of a sweep folder, optionally merging
            a single-process speed run (eval/report.py)
     speed  single-process GPU speed benchmark (eval/speed.py; its own options, see `speed --help`)
+    batch  batched throughput over batch sizes, ours and transformers generate (eval/batch.py; resumable;
+           its own options, see `batch --help`)
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the JSON to OUT/tau.json")
 
     sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
+    sub.add_parser("batch", help="batched throughput over batch sizes (eval/batch.py)", add_help=False)
 
     p = sub.add_parser("table", help="render results.json, results.md and the plot of a sweep folder")
     p.add_argument("--out", required=True, help="the sweep's results folder")
@@ -141,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             from .speed import main as speed_main
 
             return speed_main(argv[1:])
+        if argv and argv[0] == "batch":  # so does eval/batch.py
+            from .batch import main as batch_main
+
+            return batch_main(argv[1:])
         args = _parser().parse_args(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

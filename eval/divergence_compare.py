@@ -27,7 +27,6 @@ import datetime
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,15 +114,11 @@ def summarize(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
     }
 
 
-def _git_commit() -> str:
-    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
     import transformers
 
+    from eval.runinfo import git_commit
     from eval.tasks import load_mt_bench
     from fsd_eagle.api import SpeculativeGenerator
 
@@ -155,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "commit": _git_commit(),
+        "commit": git_commit(short=True) or "unknown",
         "command": "python -m eval.divergence_compare " + " ".join(argv if argv is not None else sys.argv[1:]),
         "target": "default (SmolLM2-135M-Instruct) with its shipped head",
         "tree": dataclasses.asdict(gen.tree),

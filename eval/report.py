@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -41,6 +40,7 @@ from pathlib import Path
 from fsd_eagle.errors import InputError
 
 from .metrics import token_agreement
+from .runinfo import write_json_atomic
 from .sweep import (RUNS_FILE, TASKS, Config, ResultStore, format_threshold, threshold_from_json)
 
 ACC_KEYS = {"gsm8k": "gsm8k_acc", "mmlu": "mmlu_acc", "humaneval": "humaneval_pass1"}
@@ -264,11 +264,7 @@ def write_outputs(out: Path | str, results: dict, plot: bool = True) -> list[Pat
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    path = out / "results.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    written.append(path)
+    written.append(write_json_atomic(out / "results.json", results))
     path = out / "results.md"
     path.write_text(render_markdown(results))
     written.append(path)

@@ -35,7 +35,13 @@ def cpu_name() -> str:
     return f"CPU ({platform.machine()}, {len(os.sched_getaffinity(0))} cores)"
 
 
-def _sync(device: torch.device) -> None:
+def device_label(device: torch.device) -> str:
+    """A result row's ``device``: the GPU's name, or the CPU's (``cpu_name``)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (GPU), so that wall-clock times cover it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -49,10 +55,10 @@ def timed_runs(run_one, prompts, repeats: int, device: torch.device) -> tuple[li
     for rep in range(repeats):
         tokens, seconds = 0, 0.0
         for p in prompts:
-            _sync(device)
+            sync(device)
             t = time.perf_counter()
             n, result = run_one(p)
-            _sync(device)
+            sync(device)
             seconds += time.perf_counter() - t
             tokens += n
             if rep == 0:
@@ -213,10 +219,10 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
     out = {}
     for name, ar in (("ar", True), ("eagle2", False)):
         gen.generate(prompt, 8, autoregressive=ar, chat=False)
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         r = gen.generate(prompt, rounds + 1, autoregressive=ar, chat=False)
-        _sync(device)
+        sync(device)
         out[f"{name}_ms_per_round"] = round(1000 * (time.perf_counter() - t) / r.stats.target_forwards, 3)
     out["projected_speedup_at_tau"] = round(tau * out["ar_ms_per_round"] / out["eagle2_ms_per_round"], 3)
     out["tau_used"] = round(tau, 3)
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = ([("ar", None, None, dict(autoregressive=True))] if "ar" in methods else []) + \
         ([("eagle2", None, 0.0, {})] if "eagle2" in methods else []) + \
         ([("fsd", d, t, dict(fuzzy=FuzzyConfig(threshold=t, divergence=d))) for d, t in fsd_rows] if "fsd" in methods else [])
-    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
+    device_name = device_label(dev)
     for backend in backends:
         gen.configure(cuda_graphs=backend != "eager", compile=backend == "compiled")
         for method, div, threshold, kwargs in ours:

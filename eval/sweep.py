@@ -416,38 +416,12 @@ def device_name(device: str | None) -> str:
 
 
 def run_metadata(seed: int, command: str | None, device: str | None, workers: int) -> dict:
-    import torch
-    import transformers
+    from .runinfo import git_commit, versions
 
-    import fsd_eagle
-
-    return {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "fsd_eagle": getattr(fsd_eagle, "__version__", None) or _dist_version("fsd-eagle"),
-            "python": platform.python_version(),
+    return {"device": device_name(device), **versions(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "seed": seed,
             "command": command if command is not None else " ".join(sys.argv), "workers": workers,
-            "git_commit": _git_commit()}
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:  # noqa: BLE001 (not installed: no version)
-        return None
-
-
-def _git_commit() -> str | None:
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+            "git_commit": git_commit()}
 
 
 def resolve_tree(target: str | None, device_type: str, tree: dict | None) -> dict:

@@ -32,6 +32,7 @@ __all__ = [
     "MT_BENCH_CATEGORIES",
     "load_spec_bench",
     "load_mt_bench",
+    "load_chat_benchmark",
     "load_gsm8k",
     "load_humaneval",
     "load_mmlu",
@@ -191,6 +192,18 @@ def load_mt_bench(limit: int | None = None, data_dir: Path | str = DATA_DIR) -> 
     """MT-bench's 80 two-turn questions (``mt_bench/question.jsonl``), 10 in each of 8
     categories."""
     return _load_chat_questions(Path(data_dir) / "mt_bench" / "question.jsonl", limit)
+
+
+def load_chat_benchmark(limit: int | None = None, data_dir: Path | str = DATA_DIR) -> list[ChatQuestion]:
+    """MT-bench's 80 questions, then Spec-Bench's questions in file order without its copy of MT-bench
+    (subtask "mt_bench"): 480 distinct chat questions, the first ``limit`` of them. MT-bench comes first,
+    so that a short run measures the set the speed benchmark uses."""
+    _check_limit(limit)
+    questions = load_mt_bench(limit, data_dir)
+    if limit is None or len(questions) < limit:
+        rest = [q for q in load_spec_bench(data_dir=data_dir) if q.subtask != "mt_bench"]
+        questions += rest if limit is None else rest[: limit - len(questions)]
+    return questions
 
 
 def load_gsm8k(

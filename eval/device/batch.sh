@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The batched-throughput benchmark (python -m eval batch) on a GPU host without network access, where each
+# command runs at most 600 s and brings one piece of the model bundle (see docs/gpu-host.md). Run the same
+# command line every time:
+#   PARTS=3 SHA=<sha256 of the tar> CODE=<local commit> bash eval/device/batch.sh [batch options]
+# Each command moves its piece into place (eval/device/assemble.sh); once the model is installed, the first
+# command starts the whole benchmark as one background process (a copy of the code under $RES/code, since each
+# command replaces the working tree), and every command then waits up to $WAIT seconds (default 540, or until
+# the run ends) and copies the partial result file and the log to $OUT. The result file is rewritten after
+# every row; a run that died is restarted with --resume and keeps its finished rows. RESUME_FROM=<file> seeds
+# a fresh host with a result file brought back from an earlier one (it must travel with the tree).
+# Default options: --device cuda --dtype bfloat16 --compile --hf-limit 16 (all batch sizes, methods, prompts);
+# options given here are appended (a later option wins).
+set -euo pipefail
+RES=${RES:-/root/res}
+WAIT=${WAIT:-540}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
+bash eval/device/assemble.sh
+[ -f "${STORE:-/root/carry}/.unpacked" ] || exit 0  # more pieces to come
+mkdir -p "$RES"
+if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RES/gpu_batch.json" ]; then cp "$RESUME_FROM" "$RES/gpu_batch.json"; fi
+running() { [ -f "$RES/pid" ] && kill -0 "$(cat "$RES/pid")" 2> /dev/null; }
+if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
+  rm -rf "$RES/code" "$RES/rc"
+  mkdir -p "$RES/code"
+  tar --exclude=./.git --exclude=./.carry -cf - . | tar -xf - -C "$RES/code"
+  # bash -c records its own pid (alive while the benchmark runs) and the benchmark's exit status.
+  (cd "$RES/code" && PYTHONPATH="$RES/code" setsid nohup bash -c 'echo $$ > "$0/pid"; python3 -m eval batch \
+      --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume --output "$0/gpu_batch.json" \
+      ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$RES" "$@" > /dev/null 2>&1 &)
+  sleep 2
+fi
+for _ in $(seq "$WAIT"); do running || break; sleep 1; done
+if running; then
+  echo "benchmark running (pid $(cat "$RES/pid"))"
+else
+  echo "benchmark ended, status $(cat "$RES/rc" 2> /dev/null || echo unknown)"
+fi
+tail -n 25 "$RES/log" 2> /dev/null || true
+if [ -n "${OUT:-}" ]; then
+  cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
+  cp "$RES/gpu_batch.json" "$OUT/" 2> /dev/null || true
+fi

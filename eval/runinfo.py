@@ -1,0 +1,60 @@
+"""What a benchmark file records about its run, and how it is written.
+
+``git_commit`` and ``versions`` fill a result file's header (which code, which libraries); ``write_json_atomic``
+replaces a result file in one step, so that a run killed while writing leaves the previous complete file
+rather than a cut-off one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit(short: bool = False) -> str | None:
+    """The checkout's HEAD commit (abbreviated with ``short``), or None outside a git checkout."""
+    cmd = ["git", "-C", str(ROOT), "rev-parse", *(["--short"] if short else []), "HEAD"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def dist_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, or None when it is not installed."""
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 (not installed: no version)
+        return None
+
+
+def versions() -> dict:
+    """Versions of torch, transformers, fsd_eagle and Python."""
+    import torch
+    import transformers
+
+    import fsd_eagle
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "fsd_eagle": getattr(fsd_eagle, "__version__", None) or dist_version("fsd-eagle"),
+            "python": platform.python_version()}
+
+
+def write_json_atomic(path: Path | str, obj, indent: int | None = 2) -> Path:
+    """Write ``obj`` as JSON to ``path`` through a temporary file in the same folder and ``os.replace``:
+    readers (and a later resume) see either the old file or the new one, never a partial write. Refuses
+    NaN and infinity, which are not JSON."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
