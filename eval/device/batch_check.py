@@ -1,0 +1,79 @@
+"""Quick GPU check of batched decoding on the default model, the 80 MT-bench first turns, 128 new tokens:
+
+    python eval/device/batch_check.py exact            # float32 graph rounds: 16 prompts in 8 rows == each alone
+    python eval/device/batch_check.py graph            # bf16 graph rounds: AR and EAGLE-2 tokens/s at batch 1, 8, 32
+    python eval/device/batch_check.py speed,b1,b8      # bf16 compiled rounds at the batch sizes named (b1 b8 b32)
+
+Each configuration is warmed up on every prompt (a 4-token pass: every prefill bucket captured, the round
+compiled) before the timed pass; results are appended to $RES/check.jsonl (default /root/res). The full
+benchmark with the transformers baseline is ``python -m eval batch``."""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fsd_eagle import SpeculativeGenerator  # noqa: E402
+from eval.tasks import load_mt_bench  # noqa: E402
+
+RES = os.environ.get("RES", "/root/res")
+os.makedirs(RES, exist_ok=True)
+
+
+def log(**kw):
+    line = json.dumps(kw)
+    print(line, flush=True)
+    with open(f"{RES}/check.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+prompts = [q.turns[0] for q in load_mt_bench(limit=80)]
+steps = sys.argv[1].split(",") if len(sys.argv) > 1 else ["exact", "speed"]
+if "exact" in steps:
+    g = SpeculativeGenerator.load(dtype="float32")
+    for ar in (False, True):
+        t = time.perf_counter()
+        alone = [g.generate(p, max_new_tokens=64, autoregressive=ar).token_ids for p in prompts[:16]]
+        many = g.generate(prompts[:16], max_new_tokens=64, batch_size=8, autoregressive=ar)
+        same = sum(a == m.token_ids for a, m in zip(alone, many))
+        log(step="fp32_graph_exact", ar=ar, same=same, of=16, mode=many[0].stats.mode, s=time.perf_counter() - t)
+    del g
+    torch.cuda.empty_cache()
+
+
+def measure(g, ar, bs, tag):
+    t0 = time.perf_counter()
+    g.generate(prompts, max_new_tokens=4, batch_size=bs, autoregressive=ar)  # every prefill bucket + capture
+    warm = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = g.generate(prompts, max_new_tokens=128, batch_size=bs, autoregressive=ar)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    toks = sum(r.stats.new_tokens for r in res)
+    fw = sum(r.stats.target_forwards for r in res)
+    log(step=tag, ar=ar, batch=bs, tok_s=round(toks / dt, 1), tau=round(toks / fw, 3), mode=res[0].stats.mode,
+        attention=res[0].stats.attention, warm_s=round(warm, 1),
+        mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+
+if "graph" in steps:
+    g = SpeculativeGenerator.load()
+    for bs in (1, 8, 32):
+        for ar in (True, False):
+            measure(g, ar, bs, "graph")
+        g.release()
+    del g
+if "speed" in steps:
+    g = SpeculativeGenerator.load(compile=True)
+    order = [(1, False), (1, True), (8, True), (8, False), (32, True), (32, False)]
+    for bs, ar in order:
+        if f"b{bs}" not in steps:
+            continue
+        measure(g, ar, bs, "compiled")
+        if ar is False:
+            g.release()
+log(step="done")
