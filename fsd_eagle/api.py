@@ -298,21 +298,32 @@ class SpeculativeGenerator:
                      tuple(s for s in (stop or ()) if s), 0 if seed is None else seed,
                      autoregressive or self.drafter is None, clipped)
 
-    def stream(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
-               stop: str | Sequence[str] | None = None, chat: bool | None = None,
-               autoregressive: bool = False, with_result: bool = False) -> Iterator[str | GenerationResult]:
+    def stream(self, prompt: Prompt | Sequence[Prompt], max_new_tokens: int = 256, *, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, fuzzy: FuzzyConfig | None = None,
+               seed: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+               chat: bool | None = None, autoregressive: bool = False, with_result: bool = False,
+               batch_size: int | None = None) -> Iterator:
         """Yield text pieces as they are accepted, then (only with ``with_result``) the GenerationResult
-        with the call's statistics; see ``generate`` for the other arguments.
+        with the call's statistics; see ``generate`` for the other arguments. Given a list of prompts,
+        yield ``(index, piece)`` pairs instead, pieces of all prompts interleaved as rounds complete (and
+        ``(index, result)`` as each ends, with ``with_result``); ``batch_size`` as in ``generate_many``.
 
         The call starts at the first ``next()`` and holds the generator until the iterator is exhausted,
         closed or garbage-collected: meanwhile another thread's call waits, and a call from this thread
         raises BusyError (see ``generate``)."""
-        call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
+        many = is_prompt_list(prompt)
+        if many:
+            calls = self._prepare_many(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
+                                       autoregressive, batch_size)
+        else:
+            if batch_size is not None:
+                raise InputError("batch_size applies to a list of prompts")
+            calls = [self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
+                                   autoregressive)]
         with self._calls.hold():
-            for _, piece in self._decode([call], 1, streaming=True):
+            for i, piece in self._decode(calls, self._rows(len(calls), batch_size), streaming=True):
                 if with_result or isinstance(piece, str):
-                    yield piece
+                    yield (i, piece) if many else piece
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
@@ -356,11 +367,15 @@ class SpeculativeGenerator:
         prompt is checked before the first one runs."""
         calls = self._prepare_many(prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
                                    autoregressive, batch_size)
-        rows = min(batch_size or BUCKETS[-1], len(calls), BUCKETS[-1])
         with self._calls.hold():
-            for i, piece in self._decode(calls, rows):
+            for i, piece in self._decode(calls, self._rows(len(calls), batch_size)):
                 if isinstance(piece, GenerationResult):
                     yield i, piece
+
+    @staticmethod
+    def _rows(prompts: int, batch_size: int | None) -> int:
+        """Rows that decode together: ``batch_size`` (default: every prompt), at most the largest bucket."""
+        return min(batch_size or BUCKETS[-1], prompts, BUCKETS[-1])
 
     def _prepare_many(self, prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
                       autoregressive, batch_size) -> list[_Call]:

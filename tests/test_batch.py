@@ -206,3 +206,37 @@ def default_generator():
     from fsd_eagle import SpeculativeGenerator
 
     return SpeculativeGenerator.load(device="cpu", dtype="float32", tree=TreeConfig(total_tokens=16, depth=5, top_k=4))
+
+
+def test_stream_of_many_prompts_interleaves_pieces_that_add_up_to_each_text(tiny_llama):
+    """``stream`` of a list yields (index, piece) as rounds complete; each prompt's pieces join to the text
+    that ``generate`` gives it alone, and its result comes last."""
+    from fsd_eagle import SpeculativeGenerator
+
+    class Tok:
+        eos_token_id = None
+        chat_template = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f"<{i}>" for i in ids)
+
+    torch.manual_seed(2)
+    head = EagleHead(HeadConfig.for_target(tiny_llama.config)).float().eval()
+    gen = SpeculativeGenerator(tiny_llama, Tok(), head, tree=TREE)
+    ps = [p.tolist() for p in prompts(5, gen.target.vocab_size, seed=6)]
+    texts: dict[int, str] = defaultdict(str)
+    results = {}
+    order = []
+    for i, piece in gen.stream(ps, 12, batch_size=2, with_result=True):
+        if isinstance(piece, str):
+            assert i not in results
+            texts[i] += piece
+            order.append(i)
+        else:
+            results[i] = piece
+    assert sorted(results) == list(range(5))
+    for i, p in enumerate(ps):
+        alone_result = gen.generate(p, 12)
+        assert texts[i] == results[i].text == alone_result.text
+        assert results[i].token_ids == alone_result.token_ids
+    assert order != sorted(order)  # pieces of different prompts interleave
