@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads per worker (default: CPU cores / workers on "
                                                "CPU, 1 on GPU; for one worker, fsd-eagle generate's default: "
                                                "cores - 1, at most 4); 1 helps on a busy CPU")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="questions of one config and task decoded together in this process (default 1: one "
+                        "at a time; outputs do not depend on it; not with --workers > 1)")
     p.add_argument("--humaneval-timeout", type=float, default=5.0, help="seconds per HumanEval test run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -103,7 +106,7 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
               limit=parse_limits(a.limits), workers=a.workers,
               max_new_tokens=parse_max_new_tokens(a.max_new_tokens), seed=a.seed, fuzzy_mode=a.fuzzy_mode,
               tree=tree or None, humaneval_timeout_s=a.humaneval_timeout, command=_command_line(argv),
-              progress=not a.no_progress, threads=a.threads)
+              progress=not a.no_progress, threads=a.threads, batch_size=a.batch_size)
     print((Path(a.out) / "results.md").read_text())
     return 0
 

@@ -7,9 +7,12 @@ reported too). Row keys:
 
 * identity: ``config``, ``method`` (ar / eagle2 / fsd), ``divergence``, ``threshold`` (``"inf"`` for
   infinity; 0 for eagle2; None for ar);
-* speed: ``tokens_per_s`` = total new tokens / total decode seconds of the row, ``speedup_vs_ar`` = that over
-  the AR row's, ``speed_source`` (where those two figures come from), ``tau`` = total new tokens / total
-  target forwards, ``fuzzy_accepted`` (tokens accepted only by the fuzzy rule) and ``fuzzy_per_token``,
+* speed: ``tokens_per_s`` = total new tokens / total decode seconds of the row's questions decoded one at a
+  time (records of a ``--batch-size`` run, decoded in a batch, do not count: None when every question was;
+  ``timed`` = how many did count, ``batched`` = how many were decoded in a batch), ``speedup_vs_ar`` = that
+  over the AR row's,
+  ``speed_source`` (where those two figures come from), ``tau`` = total new tokens / total target forwards
+  (all questions), ``fuzzy_accepted`` (tokens accepted only by the fuzzy rule) and ``fuzzy_per_token``,
   ``divergence_mean`` (mean D at verified nodes);
 * accuracy: ``gsm8k_acc``, ``mmlu_acc``, ``humaneval_pass1`` (None for a task not run), each with ``*_se``
   (binomial standard error), and ``n`` ({task: questions});
@@ -20,7 +23,8 @@ reported too). Row keys:
 * ``vs_eagle2``: {task: {"delta", "se", "n"}}, the paired accuracy difference to exact EAGLE-2 over the
   questions both ran, used by the claim check of the markdown report.
 
-Speed hook: a sweep with several workers shares one device, so its speed figures are contended. A separate
+Speed hook: a sweep with several workers shares one device, so its speed figures are contended; one with
+``--batch-size`` > 1 has no single-prompt speed for the questions it decoded in batches. A separate
 single-process speed run can be merged: ``--speed FILE`` (or a file ``OUT/speed.json``, merged
 automatically) holding ``{"meta": {"source": "..."}, "rows": [...]}`` or a bare list of rows, each with
 ``method``, ``divergence``, ``threshold`` (or ``config``) and ``tokens_per_s`` (plus optional
@@ -65,9 +69,20 @@ def concurrent_source(meta: dict | None) -> str:
     workers = meta.get("workers")
     device = meta.get("device", "the device")
     if workers and workers > 1:
-        return (f"sweep: {workers} concurrent workers on one {device}; contended, not a clean speed measure "
+        text = (f"sweep: {workers} concurrent workers on one {device}; contended, not a clean speed measure "
                 f"(merge a single-process speed run with `python -m eval table --speed FILE`)")
-    return f"sweep: 1 process on {device}; decode time only, no repeats"
+    else:
+        text = f"sweep: 1 process on {device}; decode time only, no repeats"
+    if any((run.get("batch_size") or 1) > 1 for run in meta.get("runs") or [meta]):
+        text += ("; questions decoded in batches (--batch-size) are left out of tok/s: they have no "
+                 "single-prompt speed")
+    return text
+
+
+def is_single_prompt_time(record: dict) -> bool:
+    """Whether a record's ``elapsed_s`` is the time of its question decoded alone (not in a batch, no error)."""
+    return ((record.get("batch_size") or 1) == 1 and isinstance(record.get("elapsed_s"), (int, float))
+            and "error" not in record)
 
 
 def aggregate(records: Iterable[dict], meta: dict | None = None) -> list[dict]:
@@ -83,12 +98,14 @@ def aggregate(records: Iterable[dict], meta: dict | None = None) -> list[dict]:
         row = {"config": key, "method": first["method"], "divergence": first.get("divergence"),
                "threshold": first.get("threshold")}
         new = sum(r.get("new_tokens", 0) for r in recs)
-        secs = sum(r.get("elapsed_s", 0.0) for r in recs)
+        timed = [r for r in recs if is_single_prompt_time(r)]
+        timed_new = sum(r.get("new_tokens", 0) for r in timed)
+        secs = sum(r["elapsed_s"] for r in timed)
         forwards = sum(r.get("target_forwards", 0) for r in recs)
         fuzzy = sum(r.get("fuzzy_accepted", 0) for r in recs)
         div_n = sum(r.get("divergence_count", 0) for r in recs)
         div_sum = sum(r.get("divergence_sum", 0.0) for r in recs)
-        row.update(tokens_per_s=_round(new / secs, 2) if secs > 0 else None, speedup_vs_ar=None,
+        row.update(tokens_per_s=_round(timed_new / secs, 2) if secs > 0 else None, speedup_vs_ar=None,
                    speed_source=None, tau=_round(new / forwards) if forwards else None, fuzzy_accepted=fuzzy,
                    fuzzy_per_token=_round(fuzzy / new) if new else None,
                    divergence_mean=_round(div_sum / div_n, 6) if div_n else None)
@@ -125,8 +142,9 @@ def aggregate(records: Iterable[dict], meta: dict | None = None) -> list[dict]:
         row["agreement"] = _round(sum(agree_all) / len(agree_all)) if agree_all else None
         row["n_agreement"] = len(agree_all)
         row["nll"] = _round(nll_sum_all / nll_n_all) if nll_n_all else None
-        row.update(new_tokens=new, decode_s=_round(secs, 3), target_forwards=forwards,
-                   errors=sum("error" in r for r in recs))
+        row.update(new_tokens=new, decode_s=_round(secs, 3), timed=len(timed),
+                   batched=sum((r.get("batch_size") or 1) > 1 for r in recs),
+                   target_forwards=forwards, errors=sum("error" in r for r in recs))
         rows.append(row)
     rows.sort(key=row_order)
     _set_speedups(rows, concurrent_source(meta))
@@ -244,8 +262,8 @@ def build_results(out: Path | str, speed: Path | str | None = None) -> dict:
             if key not in meta and key in run:
                 meta[key] = run[key]
     if runs:
-        meta["runs"] = [{k: r.get(k) for k in ("date", "command", "device", "workers", "wall_s", "jobs_total",
-                                                "jobs_skipped")} for r in runs]
+        meta["runs"] = [{k: r.get(k) for k in ("date", "command", "device", "workers", "batch_size", "wall_s",
+                                                "jobs_total", "jobs_skipped")} for r in runs]
     rows = aggregate(records, meta)
     speed_path = Path(speed) if speed else (out / "speed.json" if (out / "speed.json").is_file() else None)
     if speed_path is not None:

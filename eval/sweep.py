@@ -1,7 +1,7 @@
 """The threshold sweep: accuracy, fidelity and speed of AR, exact EAGLE-2 and FSD over thresholds x divergences.
 
     python -m eval sweep --tasks gsm8k mmlu humaneval --divergences kl js --thresholds kl:0.5,1,2,4 js:0.1,0.2 \
-        --limit gsm8k=200 mmlu=500 --workers 8 --out eval/results/sweep
+        --limit gsm8k=200 mmlu=500 --batch-size 16 --out eval/results/sweep
 
 Every (config, task, question) is one job: greedy decoding (temperature 0) of the question's prompt (see
 eval/tasks.py for the prompt formats), scored right away (GSM8K final number, MMLU letter, HumanEval pass@1 in
@@ -18,6 +18,18 @@ queue (question-major order: the configs of one question run side by side, so a 
 config on the same questions). Speed figures from such a run are measured under contention of all workers on
 one device: they are stored, but only a single-process speed run (eval/speed.py) gives clean numbers;
 ``python -m eval table --speed FILE`` merges those in.
+
+``batch_size`` B > 1 (``--batch-size``) decodes in one process instead: the pending questions of one config
+and task, in blocks of BLOCK_BATCHES x B questions (every config runs a block before the next block starts,
+so a partial run still compares the configs on the same questions), go to one
+``SpeculativeGenerator.generate_many(..., batch_size=B)`` call: up to B prompts share each target forward,
+and each record is scored and appended as its prompt finishes. Outputs do not depend on B (each equals the
+prompt decoded alone, up to floating-point differences of batch shapes in half precision; the tree is pinned,
+draft vocabulary included, so a batch preset cannot change it), so B is kept in the run's metadata
+(``OUT/runs.jsonl``), not in ``settings.json``: a sweep may be resumed with another B. Batching replaces worker
+processes: ``workers`` > 1 with B > 1 is refused. A prompt's decoding time in a batch is no single-prompt speed:
+batched records carry ``batch_size``, ``elapsed_s`` None and the per-prompt time in its batch as
+``batch_elapsed_s``; the report leaves them out of tokens/s (tau, accuracy and fidelity count them all).
 """
 
 from __future__ import annotations
@@ -28,9 +40,10 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +61,7 @@ DEFAULT_THRESHOLDS = {"kl": (0.5, 1.0, 2.0, 4.0, 8.0), "js": (0.1, 0.2, 0.3, 0.4
                       "*": (0.05, 0.1, 0.2, 0.4, 0.8)}
 DEFAULT_DIVERGENCES = ("kl", "js")
 HUMANEVAL_TIMEOUT_S = 5.0
+BLOCK_BATCHES = 8  # with --batch-size B, a task's questions run in blocks of BLOCK_BATCHES x B, every config per block
 SETTINGS_FILE = "settings.json"
 RUNS_FILE = "runs.jsonl"
 
@@ -308,18 +322,27 @@ def _init_worker(opts: dict) -> None:
                                     device=opts["device"], dtype=opts["dtype"], threads=opts.get("threads"))
     tree = opts.get("tree") or {}  # explicit --total-tokens / --depth / --tree-top-k beat the preset
     gen.set_tree(tree.get("total_tokens"), tree.get("depth"), tree.get("top_k"))
+    # pin the draft vocabulary too: with every value given, batches decode on this very tree (no batch preset)
+    gen.set_tree(tree.get("total_tokens"), tree.get("depth"), tree.get("top_k"), draft_vocab=gen.tree.draft_vocab)
     needs_drafter = any(c["method"] != "ar" for c in opts["configs"])
     if needs_drafter and gen.drafter is None:
         raise ConfigError("methods eagle2 and fsd need a drafter: pass --head or --draft-model "
                           "(the default model has a head)")
     if opts.get("warmup", True):  # first calls pay for kernel selection, allocation and (on GPUs) CUDA-graph
-        gen.generate("Hello", 4, autoregressive=True)  # capture: keep them out of the timed jobs
+        batch = opts.get("batch_size", 1)  # capture: keep them out of the timed jobs
+
+        def warm(**kwargs) -> None:
+            gen.generate("Hello", 4, **kwargs)
+            if batch > 1:  # a batch decodes on a session (and graphs) of its own
+                gen.generate(["Hello"] * batch, 4, batch_size=batch, **kwargs)
+
+        warm(autoregressive=True)
         if gen.drafter is not None:
-            gen.generate("Hello", 4)
+            warm()
             if gen.target.device.type == "cuda":
                 for cfg in opts["configs"]:
                     if cfg["method"] == "fsd":
-                        gen.generate("Hello", 4, fuzzy=_fuzzy(cfg, opts))
+                        warm(fuzzy=_fuzzy(cfg, opts))
     _STATE.clear()
     _STATE.update(gen=gen, opts=opts)
 
@@ -331,32 +354,92 @@ def _fuzzy(cfg: dict, opts: dict):
                        mode=opts["fuzzy_mode"])
 
 
-def _run_job(job: dict) -> dict:
-    """Generate, score and measure one (config, question); returns its record."""
+def _decode_args(cfg: dict, opts: dict) -> dict:
+    """generate / generate_many arguments of one config."""
+    return {"temperature": 0.0, "fuzzy": _fuzzy(cfg, opts) if cfg["method"] == "fsd" else None,
+            "seed": opts["seed"], "autoregressive": cfg["method"] == "ar"}
+
+
+def _job_record(job: dict) -> dict:
+    return {"task": job["task"], "qid": job["qid"], "config": job["key"], **job["config"]}
+
+
+def _error_record(job: dict, error: Exception) -> dict:
+    """A question the generator refused (e.g. a prompt longer than the model's context): scored as wrong."""
+    record = _job_record(job)
+    record.update(error=str(error), correct=False, token_ids=[], text="", new_tokens=0, target_forwards=0,
+                  fuzzy_accepted=0, elapsed_s=0.0, nll_sum=0.0, nll_tokens=0)
+    return record
+
+
+def _result_record(job: dict, prompt_ids: list[int], result, batch_size: int = 1) -> dict:
+    """The record of one generated question: tokens, statistics, the target's NLL and the score. Decoded in a
+    batch (``batch_size`` > 1), its time goes to ``batch_elapsed_s`` and ``elapsed_s`` is None."""
     from .fidelity import sequence_nll
 
     gen, opts = _STATE["gen"], _STATE["opts"]
-    cfg = job["config"]
-    record = {"task": job["task"], "qid": job["qid"], "config": job["key"], **cfg}
-    fuzzy = _fuzzy(cfg, opts) if cfg["method"] == "fsd" else None
-    try:
-        prompt_ids = gen.encode(job["prompt"])
-        result = gen.generate(prompt_ids, job["max_new_tokens"], temperature=0.0, fuzzy=fuzzy, seed=opts["seed"],
-                              autoregressive=cfg["method"] == "ar")
-    except FSDError as e:  # e.g. a prompt longer than the model's context: scored as wrong
-        record.update(error=str(e), correct=False, token_ids=[], text="", new_tokens=0, target_forwards=0,
-                      fuzzy_accepted=0, elapsed_s=0.0, nll_sum=0.0, nll_tokens=0)
-        return record
     s = result.stats
     nll_sum, nll_tokens = sequence_nll(gen.target.model, prompt_ids, result.token_ids)
+    record = _job_record(job)
     record.update(prompt_tokens=len(prompt_ids), token_ids=result.token_ids, text=result.text,
                   stop_reason=result.stop_reason, new_tokens=s.new_tokens, target_forwards=s.target_forwards,
                   fuzzy_accepted=s.fuzzy_accepted, divergence_sum=s.divergence_sum,
                   divergence_count=s.divergence_count, elapsed_s=s.elapsed_s, nll_sum=nll_sum,
                   nll_tokens=nll_tokens)
+    if batch_size > 1:
+        record.update(elapsed_s=None, batch_elapsed_s=s.elapsed_s, batch_size=batch_size)
     record.update(score(job["task"], job["payload"], result.text, opts.get("humaneval_timeout_s",
                                                                          HUMANEVAL_TIMEOUT_S)))
     return record
+
+
+def _run_job(job: dict) -> dict:
+    """Generate, score and measure one (config, question); returns its record."""
+    gen, opts = _STATE["gen"], _STATE["opts"]
+    try:
+        prompt_ids = gen.encode(job["prompt"])
+        result = gen.generate(prompt_ids, job["max_new_tokens"], **_decode_args(job["config"], opts))
+    except FSDError as e:
+        return _error_record(job, e)
+    return _result_record(job, prompt_ids, result)
+
+
+def _run_group(jobs: list[dict], batch_size: int) -> Iterator[dict]:
+    """Generate, score and measure ``jobs`` (one config and task) ``batch_size`` prompts at a time; yields
+    each record as its prompt finishes. A prompt the generator refuses gets its error record and the others
+    run without it (generate_many checks every prompt before decoding any)."""
+    gen, opts = _STATE["gen"], _STATE["opts"]
+    pending: list[tuple[dict, list[int]]] = []
+    for job in jobs:
+        try:
+            pending.append((job, gen.encode(job["prompt"])))
+        except FSDError as e:
+            yield _error_record(job, e)
+    while pending:
+        finished = 0
+        try:
+            for i, result in gen.generate_many([ids for _, ids in pending], jobs[0]["max_new_tokens"],
+                                               batch_size=batch_size, **_decode_args(jobs[0]["config"], opts)):
+                finished += 1
+                yield _result_record(*pending[i], result, batch_size)
+            return
+        except InputError as e:
+            refused = re.match(r"prompt (\d+): (.*)", str(e), re.S)
+            if finished or refused is None or int(refused[1]) >= len(pending):
+                raise
+            job, _ = pending.pop(int(refused[1]))
+            yield _error_record(job, InputError(refused[2]))
+
+
+def group_jobs(jobs: list[dict], batch_size: int) -> list[list[dict]]:
+    """Jobs (in the sweep's question-major order) as batches of one config and task, a block of
+    BLOCK_BATCHES x ``batch_size`` questions at a time (``position``: the question's place in its task);
+    the configs of a block come before the next block."""
+    groups: dict[tuple, list[dict]] = {}
+    for job in jobs:
+        block = job["position"] // (BLOCK_BATCHES * batch_size)
+        groups.setdefault((job["task"], block, job["key"]), []).append(job)
+    return list(groups.values())
 
 
 def _worker_info() -> dict:
@@ -383,14 +466,19 @@ def _pool_job(job: dict) -> tuple[dict, dict]:
 
 def run_jobs(jobs: list[dict], opts: dict, workers: int, on_result: Callable[[dict], None]) -> dict:
     """Run ``jobs``, calling ``on_result(record)`` in this process as each completes; returns the worker
-    info (tree, device, dtype) of the model that ran them. workers == 1 runs in this process."""
-    if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}")
+    info (tree, device, dtype) of the model that ran them. workers == 1 runs in this process, with
+    ``opts["batch_size"]`` > 1 in batches (see :func:`group_jobs`)."""
+    batch_size = opts.get("batch_size", 1)
+    check_parallelism(workers, batch_size)
     if workers == 1 or len(jobs) <= 1:
         _init_worker(opts)
         info = _worker_info()
-        for job in jobs:
-            on_result(_run_job(job))
+        if batch_size > 1:
+            records = (r for group in group_jobs(jobs, batch_size) for r in _run_group(group, batch_size))
+        else:
+            records = map(_run_job, jobs)
+        for record in records:
+            on_result(record)
         return info
     info: dict = {}
     ctx = mp.get_context("spawn")
@@ -415,13 +503,26 @@ def device_name(device: str | None) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def run_metadata(seed: int, command: str | None, device: str | None, workers: int) -> dict:
+def check_parallelism(workers: int, batch_size: int) -> None:
+    """Worker processes or batches, not both (batching replaces the processes sharing one device)."""
+    from fsd_eagle.trees_presets import BUCKETS
+
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= BUCKETS[-1]:
+        raise ConfigError(f"batch size must be from 1 to {BUCKETS[-1]}, got {batch_size}")
+    if workers > 1 and batch_size > 1:
+        raise ConfigError(f"--workers {workers} with --batch-size {batch_size}: batching runs in one process; "
+                          f"use one of them")
+
+
+def run_metadata(seed: int, command: str | None, device: str | None, workers: int, batch_size: int = 1) -> dict:
     from .runinfo import git_commit, versions
 
     return {"device": device_name(device), **versions(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "seed": seed,
             "command": command if command is not None else " ".join(sys.argv), "workers": workers,
-            "git_commit": git_commit()}
+            "batch_size": batch_size, "git_commit": git_commit()}
 
 
 def resolve_tree(target: str | None, device_type: str, tree: dict | None) -> dict:
@@ -452,13 +553,17 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
               max_new_tokens: dict[str, int] | None = None, seed: int = 0, fuzzy_mode: str = "hybrid",
               tree: dict | None = None, humaneval_timeout_s: float = HUMANEVAL_TIMEOUT_S,
               command: str | None = None, progress: bool = True, data_dir: Path | str = _tasks.DATA_DIR,
-              report: bool = True, threads: int | None = None) -> dict:
+              report: bool = True, threads: int | None = None, batch_size: int = 1) -> dict:
     """Run (or continue) a sweep into ``out``; returns the results dict also written to OUT/results.json.
+
+    ``batch_size`` > 1 decodes up to that many questions of one config and task together (one process; see
+    the module docstring). It does not change the outputs and is no part of ``settings.json``.
 
     ``threads``: torch CPU threads per worker (default: SpeculativeGenerator.load's with one in-process worker;
     otherwise the CPU cores shared among the workers on CPU, 1 per worker on GPU)."""
     from fsd_eagle.models import resolve_device, resolve_dtype
 
+    check_parallelism(workers, batch_size)
     configs = build_configs(methods, divergences, thresholds)
     tasks = list(dict.fromkeys(tasks))
     for t in tasks:
@@ -484,21 +589,22 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
     done = {(c.key, t): store.done(c.key, t) for c in configs for t in tasks}
     jobs, total = [], 0
     for t in tasks:
-        for q in questions[t]:
+        for position, q in enumerate(questions[t]):
             for c in configs:
                 total += 1
                 if q.qid in done[(c.key, t)]:
                     continue
                 jobs.append({"config": c.to_json(), "key": c.key, "task": t, "qid": q.qid, "prompt": q.prompt,
-                             "payload": q.payload, "max_new_tokens": limits[t]})
+                             "payload": q.payload, "max_new_tokens": limits[t], "position": position})
     cpu = os.cpu_count() or 1
     opts = {"target": str(target) if target else None, "head": str(head) if head else None,
             "draft_model": str(draft_model) if draft_model else None, "device": device,
             "dtype": dtype, "seed": seed, "fuzzy_mode": fuzzy_mode, "tree": settings["tree"],
             "configs": [c.to_json() for c in configs], "humaneval_timeout_s": humaneval_timeout_s,
+            "batch_size": batch_size,
             "threads": threads if threads else (None if workers == 1 else
                                                  max(1, cpu // workers) if dev.type == "cpu" else 1)}
-    meta = run_metadata(seed, command, device, workers)
+    meta = run_metadata(seed, command, device, workers, batch_size)
     meta.update(settings=settings, tasks=tasks, limit={t: limit_of.get(t) for t in tasks},
                 configs=[c.key for c in configs], threads=opts["threads"], jobs_total=total,
                 jobs_skipped=total - len(jobs))
@@ -506,7 +612,8 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
         from .humaneval_exec import protections
         meta["humaneval_sandbox"] = protections()
     print(f"sweep: {len(configs)} configs x {sum(len(q) for q in questions.values())} questions = {total} jobs; "
-          f"{total - len(jobs)} already in {out}, {len(jobs)} to run on {meta['device']} with {workers} worker(s)",
+          f"{total - len(jobs)} already in {out}, {len(jobs)} to run on {meta['device']} with "
+          + (f"batches of up to {batch_size}" if batch_size > 1 else f"{workers} worker(s)"),
           file=sys.stderr)
     start, finished, ran = time.perf_counter(), False, 0
     try:

@@ -129,6 +129,83 @@ def test_sweep_resumes_without_redoing_questions(folders, tmp_path, count_genera
     assert len(count_generate) == 7
 
 
+SAME = ("text", "token_ids", "new_tokens", "target_forwards", "fuzzy_accepted", "divergence_count", "stop_reason",
+        "prompt_tokens", "nll_tokens", "correct", "pred", "error")
+
+
+def raw_records(out: Path) -> dict[tuple, dict]:
+    return {(r["config"], r["task"], r["qid"]): r for r in ResultStore(out).records()}
+
+
+def test_batched_sweep_writes_the_same_records_and_resumes(folders, tmp_path, monkeypatch):
+    """--batch-size decodes the questions of a config together: the same records as one at a time (fp32 CPU),
+    a refused prompt still gets its error record, a resumed run may use another batch size (settings.json
+    does not hold it), and batched decoding times stay out of the tokens/s column."""
+    real_encode, real_many = SpeculativeGenerator.encode, SpeculativeGenerator.generate_many
+    long_prompt = load_questions("gsm8k", 3)[2].prompt
+    batches = []
+
+    def encode(self, prompt, chat=None):  # question 2 is longer than the model's context (512)
+        return [1] * 600 if prompt == long_prompt else real_encode(self, prompt, chat)
+
+    def generate_many(self, prompts, *args, **kwargs):
+        if not isinstance(prompts[0], str):  # not the warm-up
+            batches.append((len(prompts), kwargs["batch_size"]))
+        return real_many(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "encode", encode)
+    monkeypatch.setattr(SpeculativeGenerator, "generate_many", generate_many)
+    common = ("--tasks", "gsm8k", "--methods", "ar", "eagle2", "fsd", "--divergences", "kl", "--thresholds", "1",
+              "--max-new-tokens", "6")
+    one, batched = tmp_path / "one", tmp_path / "batched"
+    assert eval_main(sweep_args(folders, one, "--limit", "6", *common)) == 0
+    assert not batches
+    assert eval_main(sweep_args(folders, batched, "--limit", "2", "--batch-size", "2", *common)) == 0
+    assert batches == [(2, 2)] * 3
+    assert eval_main(sweep_args(folders, batched, "--limit", "6", "--batch-size", "3", *common)) == 0
+    assert batches[3:] == [(4, 3), (3, 3)] * 3  # question 2 refused, the others decoded without it
+    assert (one / "settings.json").read_text() == (batched / "settings.json").read_text()
+    runs = [json.loads(line) for line in (batched / "runs.jsonl").read_text().splitlines()]
+    assert [r["batch_size"] for r in runs] == [2, 3] and runs[-1]["jobs_skipped"] == 3 * 2
+    a, b = raw_records(one), raw_records(batched)
+    assert sorted(a) == sorted(b) and len(a) == 3 * 6
+    for key, r in a.items():
+        assert {k: r.get(k) for k in SAME} == {k: b[key].get(k) for k in SAME}, key
+        assert b[key]["nll_sum"] == pytest.approx(r["nll_sum"], rel=1e-4, abs=1e-4)
+        if key[2] == "2":
+            assert "too long" in b[key]["error"]
+        else:
+            assert b[key]["batch_size"] in (2, 3) and b[key]["elapsed_s"] is None and b[key]["batch_elapsed_s"] > 0
+            assert r["elapsed_s"] > 0 and "batch_size" not in r
+    rows_one = {r["config"]: r for r in json.loads((one / "results.json").read_text())["rows"]}
+    results = json.loads((batched / "results.json").read_text())
+    for r in results["rows"]:
+        assert r["tau"] == rows_one[r["config"]]["tau"] and r["gsm8k_acc"] == rows_one[r["config"]]["gsm8k_acc"]
+        assert r["tokens_per_s"] is None and r["speedup_vs_ar"] is None and r["batched"] == 5 and r["timed"] == 0
+        assert "left out of tok/s" in r["speed_source"]
+    assert [r["batch_size"] for r in results["meta"]["runs"]] == [2, 3]
+    # a run adding a question one at a time: only that one gives the row's tokens/s
+    assert eval_main(sweep_args(folders, batched, "--limit", "7", *common)) == 0
+    rows = json.loads((batched / "results.json").read_text())["rows"]
+    assert all(r["timed"] == 1 and r["batched"] == 5 and r["tokens_per_s"] > 0 for r in rows)
+    with pytest.raises(ConfigError, match="--workers 2 with --batch-size 2"):
+        run_sweep(tmp_path / "x", ["gsm8k"], ["ar"], target=str(folders / "target"), device="cpu", workers=2,
+                  batch_size=2, progress=False)
+
+
+def test_batched_jobs_group_by_config_and_task_in_blocks():
+    from eval.sweep import BLOCK_BATCHES, group_jobs
+
+    jobs = [{"task": t, "key": c, "position": q} for t in ("gsm8k", "mmlu") for q in range(2 * BLOCK_BATCHES + 1)
+            for c in ("ar", "eagle2")]
+    groups = group_jobs(jobs, 2)
+    assert [(g[0]["task"], g[0]["key"], len(g)) for g in groups] == [
+        ("gsm8k", "ar", 2 * BLOCK_BATCHES), ("gsm8k", "eagle2", 2 * BLOCK_BATCHES), ("gsm8k", "ar", 1),
+        ("gsm8k", "eagle2", 1), ("mmlu", "ar", 2 * BLOCK_BATCHES), ("mmlu", "eagle2", 2 * BLOCK_BATCHES),
+        ("mmlu", "ar", 1), ("mmlu", "eagle2", 1)]
+    assert sorted(j["position"] for j in groups[0]) == list(range(2 * BLOCK_BATCHES))
+
+
 def test_sweep_settings_record_the_resolved_tree(folders, tmp_path):
     """Without an explicit tree the sweep records the preset it resolves (partial values over the target's
     preset for the device), so retuning the preset later cannot mix into a resumed sweep."""
