@@ -40,7 +40,7 @@ import torch
 from fsd_eagle.errors import ConfigError, InputError
 
 from .runinfo import git_commit, versions, write_json_atomic
-from .speed import device_label, parse_fsd, sync
+from .speed import add_tree_arguments, device_label, parse_fsd, sync
 from .sweep import format_threshold, threshold_to_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -318,10 +318,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
     p.add_argument("--seed", type=int, default=0, help="sampling: prompt i is decoded with seed + i")
-    p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, trees/presets.json)")
-    p.add_argument("--depth", type=int)
-    p.add_argument("--tree-top-k", type=int)
-    p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
+    add_tree_arguments(p)
     p.add_argument("--compile", action="store_true", help="compile rounds with torch.compile (GPU)")
     p.add_argument("--warmup", type=int, nargs="?", const=1, default=1, metavar="N",
                    help="untimed batches of the longest prompts per configuration before its timed run, then a "

@@ -67,6 +67,14 @@ def timed_runs(run_one, prompts, repeats: int, device: torch.device) -> tuple[li
     return runs, first
 
 
+def add_tree_arguments(p) -> None:
+    """The tree options of a benchmark (default: the device's preset, fsd_eagle/presets.json)."""
+    p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, fsd_eagle/presets.json)")
+    p.add_argument("--depth", type=int)
+    p.add_argument("--tree-top-k", type=int)
+    p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
+
+
 def _summary(runs: list[float], device: torch.device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"tokens_per_s": statistics.mean(runs), "tokens_per_s_runs": [round(x, 2) for x in runs], "peak_mem_gb": peak}
@@ -329,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                         "measured at each, in this order")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling rows (temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
-    p.add_argument("--total-tokens", type=int, help="tree size (default: the device's preset, fsd_eagle/presets.json)")
-    p.add_argument("--depth", type=int)
-    p.add_argument("--tree-top-k", type=int)
-    p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
+    add_tree_arguments(p)
     p.add_argument("--skip-8b", action="store_true")
     p.add_argument("--compile", action="store_true", help="also measure rounds compiled with torch.compile")
     p.add_argument("--eager", action="store_true", help="also measure eager rounds (no CUDA graphs)")
