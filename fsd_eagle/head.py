@@ -212,8 +212,7 @@ class Attention(nn.Module):
         if kv is not None:
             # Indexing the whole buffer (an index tensor per dimension): inductor lowers a scatter_ into a
             # buffer as two copies of all of it.
-            where = (torch.arange(b, device=x.device).view(b, 1, 1),
-                     torch.arange(self.n_kv, device=x.device).view(1, -1, 1), slots.view(b, 1, n))
+            where = (kv.rows, kv.heads, slots.view(b, 1, n))
             kv.keys.index_put_(where, k)
             kv.values.index_put_(where, v)
             out = attend(q, kv.keys, kv.values, mask)
@@ -269,10 +268,14 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class HeadCache:
-    """The head's own KV rows ``[B, H_kv, S, d]`` (same slot layout as the target's cache)."""
+    """The head's own KV rows ``[B, H_kv, S, d]`` (same slot layout as the target's cache), with the index
+    tensors of a write (batch rows ``[B, 1, 1]``, heads ``[1, H_kv, 1]``; made once: an arange per forward
+    is a kernel launch per forward in graph rounds)."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    rows: torch.Tensor
+    heads: torch.Tensor
 
 
 RANKING_FILE = "token_ranking.safetensors"  # a head folder's token ranking (see EagleHead.token_ranking)
@@ -294,8 +297,11 @@ class EagleHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(_rope_config(cfg))
 
     def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype, batch: int = 1) -> HeadCache:
-        shape = (batch, self.config.num_key_value_heads, max_len, self.config.dim)
-        return HeadCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+        heads = self.config.num_key_value_heads
+        shape = (batch, heads, max_len, self.config.dim)
+        return HeadCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                         torch.arange(batch, device=device).view(batch, 1, 1),
+                         torch.arange(heads, device=device).view(1, heads, 1))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: HeadCache | None = None, slots: torch.Tensor | None = None,
