@@ -166,8 +166,12 @@ def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens:
     wall = time.perf_counter() - t
     new = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
+    # The Session the call ran on: its tree is the batch size's preset (None where it decoded without drafting).
+    session = gen.session(batch=batch_size, **sampling, **{k: v for k, v in kwargs.items()
+                                                          if k in ("autoregressive", "fuzzy")})
     return {"new_tokens": new, "wall_s": wall, "tau": new / forwards if forwards else None,
-            "peak_mem_gb": _peak(dev), "prompts": len(encoded), "tree": gen.tree.to_dict(),
+            "peak_mem_gb": _peak(dev), "prompts": len(encoded),
+            "tree": session.tree.to_dict() if session.drafter is not None else None,
             "mode": results[-1].stats.mode, "attention": results[-1].stats.attention}
 
 
