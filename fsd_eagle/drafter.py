@@ -5,7 +5,8 @@ decoding; with top_k = 1 its tree is a chain of gamma = depth tokens).
 Both keep their own slot KV cache for B batch rows: per row a committed prefix of ``length[b]`` slots,
 then a scratch area for the tree levels. ``prefill`` and ``commit`` consume what the target just accepted and return the root's draft
 logits and state; ``step`` drafts one tree level (the ``Drafter`` protocol of fsd_eagle.tree). Draft
-logits cover the draft vocabulary (``use_vocab``, from TreeConfig.draft_vocab): all tokens by default.
+logits cover the draft vocabulary (``use_vocab``, from TreeConfig.draft_vocab): all tokens by default. An
+EAGLE-3 head drafts over its own vocabulary instead (its lm_head's columns, ``vocab`` = their target ids).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class SlotDrafter:
     def _forward(self, tokens, states, positions, slots, mask, backend: str | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def _read(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features ``[B, P, s_t]`` as this drafter's committed states (default: as they are)."""
+        return features
+
     def logits(self, states: torch.Tensor, full: bool = False) -> torch.Tensor:
         """Draft logits ``[n, V_d]`` of states ``[n, s]`` over the draft vocabulary (column i is token
         ``vocab[i]``), or ``[n, V]`` over every token when ``full`` or without a draft vocabulary."""
@@ -91,6 +96,7 @@ class SlotDrafter:
         ``n_accepted[b]`` entries count (the rest is padding written to scratch slots). The lengths grow by
         ``grow`` (default: ``n_accepted``; 0 for a row that is not decoding). ``backend``: of attention
         (default: the target's)."""
+        features = self._read(features)
         b, n = next_tokens.shape
         idx = torch.arange(n, device=next_tokens.device)
         slots = self.length.unsqueeze(1) + idx
@@ -119,11 +125,22 @@ class SlotDrafter:
 
 class EagleDrafter(SlotDrafter):
     """EAGLE head over a target. Head row t reads (e(x_{t+1}), f_t) at position t, so after a commit its
-    length equals the target's and its state is the predicted feature f_{L}."""
+    length equals the target's and its state is the predicted feature f_{L}.
+
+    An eagle3 head reads (e(x_{t+1}), g_t), g_t fused from the target layers it names (the target captures
+    them in its own forwards, see ``Target.capture``), and drafts with its own lm_head: ``vocab`` holds
+    the target ids of its draft columns (i + d2t[i]; None when they are every token in order). The
+    distribution over every token (``logits(full=True)``, the fuzzy rules' q) is the draft distribution
+    placed on those ids, with logit -inf (probability 0) for tokens outside the draft vocabulary."""
 
     def __init__(self, head: EagleHead, target: Target) -> None:
         super().__init__()
         self.head, self.target = head, target
+        self.eagle3 = head.config.eagle3
+        if self.eagle3:
+            target.capture(head.config.layers)
+            ids = head.draft_ids()
+            self.draft_ids = None if ids is None else ids.to(target.device)
         self.length = torch.zeros(1, dtype=torch.long, device=target.device)
         self.cache = None
         self.max_len = 0
@@ -151,6 +168,35 @@ class EagleDrafter(SlotDrafter):
     @property
     def ranking(self) -> torch.Tensor | None:
         return self.head.token_ranking
+
+    def limits_vocab(self, size: int) -> bool:
+        if self.eagle3 and 0 < size < self.lm.vocab_size:
+            raise ConfigError(f"draft_vocab {size}: an eagle3 head drafts over its own vocabulary of "
+                              f"{self.head.config.draft_vocab_size} tokens (use draft_vocab 0)")
+        return super().limits_vocab(size)
+
+    def use_vocab(self, size: int) -> None:
+        if not self.eagle3:
+            return super().use_vocab(size)
+        self.limits_vocab(size)
+        self.vocab, self.vocab_lm = self.draft_ids, None
+
+    def logits(self, states: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """eagle2: see SlotDrafter.logits. eagle3: the head's lm_head ``[..., V_d]`` (column i is token
+        ``vocab[i]``), or with ``full`` placed on the target's ``[..., V]`` (-inf elsewhere)."""
+        if not self.eagle3:
+            return super().logits(states, full)
+        logits = self.head.draft_logits(states)
+        if not full or self.vocab is None:
+            return logits
+        whole = logits.new_full(logits.shape[:-1] + (self.lm.vocab_size,), float("-inf"))
+        return whole.index_copy(-1, self.vocab, logits)
+
+    def _read(self, features: torch.Tensor) -> torch.Tensor:
+        """eagle2: f as it is. eagle3: g = fc of the captured layers' states (the target's features after f)."""
+        if not self.eagle3:
+            return features
+        return self.head.fuse(features[..., self.target.hidden_size:].to(self.head.fc.weight.dtype))
 
     def _forward(self, tokens, states, positions, slots, mask, backend=None):
         embeds = self.target.embed(tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .drafter import EagleDrafter, ModelDrafter, SlotDrafter
 from .errors import ConfigError, HeadMismatchError
-from .head import EagleHead
+from .head import EagleHead, check_fit
 from .target import Target
 
 
@@ -22,6 +22,8 @@ class Engine:
         if head is not None and draft_model is not None:
             raise ConfigError("use either a draft head or a draft model, not both")
         target = Target(model)
+        if head is not None:
+            check_fit(head.config, target.config)
         if draft_model is not None and draft_model.get_output_embeddings().weight.shape[0] != target.vocab_size:
             raise HeadMismatchError("the draft model's vocabulary differs from the target's")
         eos = getattr(tokenizer, "eos_token_id", None)

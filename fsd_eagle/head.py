@@ -1,9 +1,18 @@
-"""EAGLE-1/2 draft head: ``fc`` over [embedding(next token); target feature] and one Llama-style decoder layer.
+"""EAGLE draft heads: one Llama-style decoder layer over the target's features, in two architectures.
 
-Symbols (EAGLE paper): f_t is the target's last hidden state after the final norm at position t; the head
-reads (e(x_{t+1}), f_t) and predicts f_{t+1}; the target's frozen lm_head turns that into q(x_{t+2}).
-Parameter names follow the published EAGLE layout (``fc.*``, ``layers.0.*``), so those checkpoints load as is.
-Layer 0 has no input_layernorm (as in EAGLE) and the head has no final norm.
+EAGLE-1/2 (``arch="eagle2"``). Symbols (EAGLE paper): f_t is the target's last hidden state after the final
+norm at position t; the head reads (e(x_{t+1}), f_t) through ``fc`` over [e; f] and predicts f_{t+1}; the
+target's frozen lm_head turns that into q(x_{t+2}). Parameter names follow the published EAGLE layout
+(``fc.*``, ``layers.0.*``), so those checkpoints load as is. Layer 0 has no input_layernorm (as in EAGLE)
+and the head has no final norm.
+
+EAGLE-3 (``arch="eagle3"``, Li et al. 2025). The target's feature at t is g_t = fc([l_t; m_t; h_t]), the
+hidden states entering the target's decoder layers ``HeadConfig.layers`` (low, middle, high; before the
+final norm) fused by ``fc: Linear(3h -> h)``. The decoder layer (``midlayer``, as published) attends over
+[input_layernorm(e(x_{t+1})); hidden_norm(a_t)] (width 2h), a_t = g_t for a committed position and the
+head's own previous output inside a draft; its residual stream is a_t. The head has its own final ``norm``
+and ``lm_head`` over a draft vocabulary of ``draft_vocab_size`` tokens: draft column i is target token
+i + d2t[i]; t2d[v] says whether target token v is among them.
 """
 
 from __future__ import annotations
@@ -19,14 +28,26 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .attention import attend
-from .errors import ConfigError
+from .errors import ConfigError, HeadMismatchError
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # what MLP implements
+ARCHS = ("eagle2", "eagle3")
+
+
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high target layers (2, L // 2, L - 3) of a target with L decoder layers,
+    kept inside 0 .. L - 1 for very shallow targets."""
+    return tuple(sorted(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)))
 
 
 @dataclass
 class HeadConfig:
-    """Shape of a draft head; ``rope_parameters`` are the target's (full-attention) RoPE settings."""
+    """Shape of a draft head; ``rope_parameters`` are the target's (full-attention) RoPE settings.
+
+    ``arch``: "eagle2" (EAGLE-1/2) or "eagle3". For eagle3, ``layers`` are the target layers whose input
+    hidden states are fused (id i: the state entering decoder layer i, i.e. the output of layer i - 1; the
+    published ``eagle_aux_hidden_state_layer_ids``), and ``draft_vocab_size`` the size of the head's own
+    lm_head (0: the whole vocabulary). An eagle2 head has neither."""
 
     hidden_size: int
     intermediate_size: int
@@ -40,6 +61,9 @@ class HeadConfig:
     max_position_embeddings: int = 8192
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     target: str = ""
+    arch: str = "eagle2"
+    layers: tuple[int, ...] = ()
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         """Refuse values a head cannot be built from (a head config is also read from a user's file), each
@@ -66,6 +90,30 @@ class HeadConfig:
         if not isinstance(self.target, str):
             raise ConfigError(f"head target must be a string, got {self.target!r}")
         _check_rope(self)
+        self._check_arch()
+
+    def _check_arch(self) -> None:
+        if self.arch not in ARCHS:
+            raise ConfigError(f"head arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if not isinstance(self.layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
+            raise ConfigError(f"head layers must be a list of target layer ids >= 0, got {self.layers!r}")
+        self.layers = tuple(self.layers)
+        if not isinstance(self.draft_vocab_size, int) or isinstance(self.draft_vocab_size, bool) \
+                or not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"head draft_vocab_size must be an integer from 0 to vocab_size {self.vocab_size}, "
+                              f"got {self.draft_vocab_size!r}")
+        if self.arch == "eagle2" and (self.layers or self.draft_vocab_size):
+            raise ConfigError("an eagle2 head reads the target's last hidden state: layers and draft_vocab_size "
+                              "are eagle3 settings")
+        if self.arch == "eagle3":
+            if not self.layers:
+                raise ConfigError("an eagle3 head needs the target layers it reads (layers)")
+            self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
+
+    @property
+    def eagle3(self) -> bool:
+        return self.arch == "eagle3"
 
     @property
     def dim(self) -> int:
@@ -76,8 +124,11 @@ class HeadConfig:
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> "HeadConfig":
-        """A head shaped like the target's decoder layers (EAGLE's choice), with the target's RoPE."""
+        """A head shaped like the target's decoder layers (EAGLE's choice), with the target's RoPE; with
+        ``arch="eagle3"`` and no ``layers``, the published default layers (``default_layers``)."""
         c = target_config
+        if overrides.get("arch") == "eagle3" and not overrides.get("layers"):
+            overrides["layers"] = default_layers(c.num_hidden_layers)
         kwargs = dict(
             hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size,
@@ -146,6 +197,20 @@ def _act_name(config) -> str:
     return "gelu_pytorch_tanh" if act.startswith("gelu") else act
 
 
+def check_fit(cfg: HeadConfig, target_config, name: str = "draft head") -> None:
+    """A HeadMismatchError (one line) unless a head of ``cfg`` fits the target: its hidden size and
+    vocabulary, and for eagle3 target layers that exist."""
+    if cfg.hidden_size != target_config.hidden_size:
+        raise HeadMismatchError(f"{name} has hidden size {cfg.hidden_size}, the target has {target_config.hidden_size}")
+    if cfg.vocab_size != target_config.vocab_size:
+        raise HeadMismatchError(f"{name} was built for a vocabulary of {cfg.vocab_size}, "
+                                f"the target has {target_config.vocab_size}")
+    n = target_config.num_hidden_layers
+    if any(i >= n for i in cfg.layers):
+        raise HeadMismatchError(f"{name} reads target layers {list(cfg.layers)}, the target has {n} "
+                                f"(ids 0 to {n - 1})")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -181,20 +246,21 @@ def _fuse_linears(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None
 
 
 class Attention(nn.Module):
-    """Self-attention; q/k/v are one linear here, three (q_proj, k_proj, v_proj) in state dicts."""
+    """Self-attention over inputs of width ``width`` (default h; 2h in EAGLE-3's layer); q/k/v are one
+    linear here, three (q_proj, k_proj, v_proj) in state dicts."""
 
-    def __init__(self, cfg: HeadConfig) -> None:
+    def __init__(self, cfg: HeadConfig, width: int | None = None) -> None:
         super().__init__()
         d, h, kv = cfg.dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.n_heads, self.n_kv, self.dim = h, kv, d
         self.fused_sizes = {"qkv_proj": [h * d, kv * d, kv * d]}
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * kv) * d, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(width or cfg.hidden_size, (h + 2 * kv) * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         _fuse_linears(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "HeadCache | None",
                 slots: torch.Tensor | None, mask, context: "Context | None" = None):
-        """x ``[B, n, h]``; cos/sin ``[B, n, d]``. Returns (output ``[B, n, h]``, (k, v) of these rows
+        """x ``[B, n, width]``; cos/sin ``[B, n, d]``. Returns (output ``[B, n, h]``, (k, v) of these rows
         ``[B, H_kv, n, d]``).
 
         - With a cache: keys/values go to each batch row's ``slots`` ``[B, n]`` and ``mask`` (from
@@ -251,17 +317,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Llama decoder layer without input_layernorm (EAGLE's layer 0)."""
+    """Llama decoder layer without input_layernorm (EAGLE's layer 0); with ``reads_embeds`` EAGLE-3's
+    ``midlayer``: attention over [input_layernorm(e); hidden_norm(x)] (width 2h), residual stream x."""
 
-    def __init__(self, cfg: HeadConfig) -> None:
+    def __init__(self, cfg: HeadConfig, reads_embeds: bool = False) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        if reads_embeds:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reads_embeds = reads_embeds
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size if reads_embeds else None)
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, slots, mask, context=None):
-        """Returns (output, (k, v) of these rows): see ``Attention.forward``."""
-        attn, kv_rows = self.self_attn(x, cos, sin, kv, slots, mask, context)
+    def forward(self, x, cos, sin, kv, slots, mask, context=None, embeds=None):
+        """x ``[B, n, h]`` (and, for a layer that ``reads_embeds``, embeds ``[B, n, h]``). Returns (output
+        ``[B, n, h]``, (k, v) of these rows): see ``Attention.forward``."""
+        inputs = torch.cat((self.input_layernorm(embeds), self.hidden_norm(x)), -1) if self.reads_embeds else x
+        attn, kv_rows = self.self_attn(inputs, cos, sin, kv, slots, mask, context)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_rows
 
@@ -282,9 +355,11 @@ RANKING_FILE = "token_ranking.safetensors"  # a head folder's token ranking (see
 
 
 class EagleHead(nn.Module):
-    """EAGLE's one-layer draft head. ``token_ranking`` ``[V]`` (optional, not a weight): every token id,
-    most frequent first in the head's training answers; TreeConfig.draft_vocab drafts among its first
-    entries (saved as token_ranking.safetensors next to the weights)."""
+    """EAGLE's one-layer draft head (eagle2, or eagle3: see the module docstring). ``token_ranking`` ``[V]``
+    (optional, not a weight): every token id, most frequent first in the head's training answers;
+    TreeConfig.draft_vocab drafts among its first entries (saved as token_ranking.safetensors next to the
+    weights). An eagle3 head also holds ``d2t`` ``[V_d]`` (draft column i is target token i + d2t[i]) and
+    ``t2d`` ``[V]`` (bool: the target token is a draft column), as published."""
 
     token_ranking: torch.Tensor | None
 
@@ -292,9 +367,40 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = cfg
         self.register_buffer("token_ranking", None, persistent=False)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        h = cfg.hidden_size
+        if cfg.eagle3:
+            self.fc = nn.Linear(len(cfg.layers) * h, h, bias=False)
+            self.midlayer = DecoderLayer(cfg, reads_embeds=True)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            # Until loaded: draft column i is token i.
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=True)
+            self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.rotary = LlamaRotaryEmbedding(_rope_config(cfg))
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [self.midlayer] if self.config.eagle3 else list(self.layers)
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """eagle3: the target token id of each draft column ``[V_d]`` (i + d2t[i]), or None where the draft
+        vocabulary is the whole vocabulary in order; eagle2: None (the target's lm_head drafts)."""
+        if not self.config.eagle3:
+            return None
+        ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        whole = self.config.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any())
+        return None if whole else ids
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """eagle3: the target's hidden states at ``config.layers`` ``[B, n, 3h]`` -> g = fc(l; m; h) ``[B, n, h]``."""
+        return self.fc(hidden)
+
+    def draft_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """eagle3: the head's own lm_head over its draft vocabulary, float32: ``[..., h] -> [..., V_d]``."""
+        return self.lm_head(self.norm(states)).float()
 
     def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype, batch: int = 1) -> HeadCache:
         heads = self.config.num_key_value_heads
@@ -306,15 +412,21 @@ class EagleHead(nn.Module):
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: HeadCache | None = None, slots: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """embeds e(x_{t+1}) and features f_t ``[B, n, h]``, positions ``[B, n]`` -> predicted f_{t+1} ``[B, n, h]``.
+        """embeds e(x_{t+1}) and features ``[B, n, h]``, positions ``[B, n]`` -> the head's output ``[B, n, h]``.
 
+        eagle2: features f_t, output the predicted f_{t+1}. eagle3: features a_t (the fused target feature
+        g_t = ``fuse(...)`` at a committed position, the head's own previous output inside a draft), output
+        the next a (``draft_logits`` turns it into draft logits).
         With a cache: keys/values go to ``slots`` ``[B, n]`` and ``mask`` (``[B, n, S]`` prepared by
         ``attention.prepare_mask``) says what each row sees. Without (training): causal attention over the n rows.
         """
-        x = self.fc(torch.cat((embeds, features), dim=-1))
+        if self.config.eagle3:
+            x, inputs = features, embeds
+        else:
+            x, inputs = self.fc(torch.cat((embeds, features), dim=-1)), None
         cos, sin = self.rotary(x, positions)
-        for layer in self.layers:
-            x, _ = layer(x, cos, sin, cache, slots, mask)
+        for layer in self.decoder_layers:
+            x, _ = layer(x, cos, sin, cache, slots, mask, embeds=inputs)
         return x
 
     def unroll(self, embeds: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -325,7 +437,9 @@ class EagleHead(nn.Module):
         target) and its own row t of every earlier step (the drafted path), as a draft at depth j+1 does.
 
         embeds ``[B, T + steps - 1, h]`` (e(x_1) ...), features f ``[B, T, h]``; returns ``steps``
-        predictions, each ``[B, T, h]``. ``steps`` = 1 is ``forward`` with causal attention."""
+        predictions, each ``[B, T, h]``. ``steps`` = 1 is ``forward`` with causal attention. eagle2 heads only."""
+        if self.config.eagle3:
+            raise ConfigError("training an eagle3 head is not supported yet (only eagle2 heads train)")
         b, t, _ = features.shape
         positions = torch.arange(t, device=features.device).expand(b, -1)
         causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()

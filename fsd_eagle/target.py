@@ -1,9 +1,10 @@
 """Target adapter: any stock transformers causal LM, run over prefixes and token trees with a slot KV cache.
 
 Data flow per round, for B rows at once (each with its own prefix length): ``forward_tree(tokens, depths,
-anc)`` writes each row's n tree tokens after its committed prefix and returns their features f (last hidden
-state after the final norm, the lm_head input); the caller picks the accepted paths, then ``commit(path,
-n_accepted)`` compacts each into its row's prefix.
+anc)`` writes each row's n tree tokens after its committed prefix and returns their features (f, the last
+hidden state after the final norm and the lm_head input; then, for an EAGLE-3 drafter, the hidden states
+entering the chosen decoder layers, captured in the same forward); the caller picks the accepted paths, then
+``commit(path, n_accepted)`` compacts each into its row's prefix.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from . import attention
 from .cache import SlotCache, SlotMask
-from .errors import ConfigError
+from .errors import ConfigError, HeadMismatchError
 
 
 class Target:
@@ -25,8 +26,11 @@ class Target:
     Attributes: ``model``, ``config`` (the text config), ``hidden_size``, ``vocab_size``, ``device``,
     ``dtype``, ``cache`` (the slot cache of B rows, from ``allocate``), ``length`` (``[B]`` long tensor on the
     device: each row's committed prefix length L), ``attention`` (the tree-attention backend, see
-    fsd_eagle.attention; set with ``use_attention``). A Target is the model bound to one cache: every session
-    makes its own over the shared weights.
+    fsd_eagle.attention; set with ``use_attention``), ``feature_layers`` (decoder layers whose input hidden
+    states the features carry after f; empty unless an EAGLE-3 drafter asks, ``capture``). A Target is the
+    model bound to one cache: every session makes its own over the shared weights.
+
+    Features ``[B, n, h * (1 + m)]``, m = len(feature_layers): f, then the m captured states in order.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -50,6 +54,16 @@ class Target:
         self.cache: SlotCache | None = None
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)
         self.attention = "sdpa"
+        self.feature_layers: tuple[int, ...] = ()
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        """Carry the hidden states entering decoder layers ``layers`` (id i: transformers' hidden_states[i],
+        the output of layer i - 1) in every forward's features from now on. A HeadMismatchError if the
+        model has no such layer."""
+        n = int(self.config.num_hidden_layers)
+        if any(not 0 <= i < n for i in layers):
+            raise HeadMismatchError(f"a drafter reads target layers {list(layers)}, the target has {n} (ids 0 to {n - 1})")
+        self.feature_layers = tuple(layers)
 
     def use_attention(self, backend: str) -> None:
         """Switch the tree-attention backend of rounds ("sdpa" or "flex", see fsd_eagle.attention; prefills
@@ -101,15 +115,19 @@ class Target:
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: SlotMask,
             backend: str | None = None) -> torch.Tensor:
         """One forward over new tokens. tokens, positions, slots: ``[B, n]``; mask: what each row sees;
-        ``backend`` of attention (default: ``self.attention``). Returns f ``[B, n, h]``."""
+        ``backend`` of attention (default: ``self.attention``). Returns the features ``[B, n, h * (1 + m)]``
+        (f alone, ``[B, n, h]``, unless layers are captured: only then are hidden states kept)."""
         cache = self.cache
         if cache is None:
             raise ConfigError("Target.allocate(max_len) must be called before a forward")
         cache.set_write_slots(slots)
         masks = self._masks(mask, positions, backend or self.attention)
-        out = self.base(input_ids=tokens, position_ids=positions, attention_mask=masks,
-                        use_cache=True, **{self.cache_kwarg: cache})
-        return out.last_hidden_state
+        layers = self.feature_layers
+        out = self.base(input_ids=tokens, position_ids=positions, attention_mask=masks, use_cache=True,
+                        **{self.cache_kwarg: cache}, **({"output_hidden_states": True} if layers else {}))
+        if not layers:
+            return out.last_hidden_state
+        return torch.cat([out.last_hidden_state] + [out.hidden_states[i] for i in layers], -1)
 
     def _masks(self, mask: SlotMask, positions: torch.Tensor, backend: str):
         """The mask(s) in the attention backend's form; sliding-window layers get the window on key
@@ -125,7 +143,10 @@ class Target:
     def logits(self, features: torch.Tensor, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """lm_head (with the model's final soft-capping, if any) in float32: ``[..., h] -> [..., V]``; with
-        ``weight`` ``[V', h]`` (and ``bias``), those rows of it instead (a draft vocabulary): ``[..., V']``."""
+        ``weight`` ``[V', h]`` (and ``bias``), those rows of it instead (a draft vocabulary): ``[..., V']``.
+        Features that carry captured layers (``[..., h * (1 + m)]``) are read through their f."""
+        if features.shape[-1] != self.hidden_size:
+            features = features[..., :self.hidden_size]
         logits = (self.lm_head(features) if weight is None else F.linear(features, weight, bias)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -134,7 +155,7 @@ class Target:
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Run prompts ``[B, L]`` (one length) into the cache from slot 0 (whatever it held); returns f ``[B, L,
-        h]``; lengths become L."""
+        h * (1 + m)]``; lengths become L."""
         b, n = tokens.shape
         self.length.zero_()
         pos = torch.arange(n, device=self.device).expand(b, n)
@@ -147,7 +168,8 @@ class Target:
     @torch.no_grad()
     def forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
         """Verify forward over each row's tree after its prefix: tokens, depths ``[B, n]``; anc ``[B, n, n]``
-        bool (ancestor-or-self). Writes slots L..L+n-1 at positions L + depth; returns f ``[B, n, h]``."""
+        bool (ancestor-or-self). Writes slots L..L+n-1 at positions L + depth; returns the features ``[B, n,
+        h * (1 + m)]`` (see ``run``)."""
         n = tokens.shape[1]
         start = self.length.unsqueeze(1)
         slots = start + torch.arange(n, device=self.device)
