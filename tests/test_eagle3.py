@@ -339,3 +339,22 @@ def test_an_engine_refuses_an_eagle3_head_reading_missing_layers():
     with pytest.raises(HeadMismatchError, match="layers") as info:
         Engine(model, None, head=head)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("divergence", ["kl", "reverse_kl", "tv"])
+def test_fuzzy_rules_run_on_an_eagle3_head(divergence):
+    """q over every token puts the draft distribution on its target ids (0 elsewhere): divergences stay
+    finite numbers, and a loose threshold accepts more than the exact rule."""
+    from fsd_eagle.config import FuzzyConfig
+
+    eng = engine("llama")
+    prompt = prompts(1, 128, seed=7)[0]
+    taus = []
+    for threshold in (0.0, 50.0):
+        rule = AcceptanceRule(SamplingConfig(), FuzzyConfig(threshold=threshold, divergence=divergence))
+        out, stats = decode_all(make_session(engine=eng, tree=TREE, rule=rule), prompt, 16, rule)
+        assert len(out) >= 16
+        if threshold:
+            assert stats.divergence_mean is not None and torch.isfinite(torch.tensor(stats.divergence_mean))
+        taus.append(stats.tau)
+    assert taus[1] > taus[0]
