@@ -168,3 +168,15 @@ def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
     df = len(obs) - 1
     assert df >= 3
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def sample_pairs_on(session, prompt, rule, n: int, seed: int):
+    """n two-token decodes of ``prompt`` on ``session``, prompt i with seed ``seed * n + i``: the counts of
+    the token pairs, and the share of decodes whose first round accepted a draft token."""
+    counts: Counter = Counter()
+    accepted = 0
+    for i in range(n):
+        out, stats = decode_all(session, prompt, 2, rule, seed * n + i)
+        counts[tuple(out)] += 1
+        accepted += stats.accept_lengths[0] > 1
+    return counts, accepted / n

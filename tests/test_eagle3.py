@@ -23,7 +23,7 @@ from fsd_eagle.session import Plan, Session
 from fsd_eagle.target import Target
 from fsd_eagle.verify import AcceptanceRule
 
-from conftest import chi_square_pvalue, decode_all, make_session, reference_probs, tiny_model
+from conftest import chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, tiny_model
 
 CPU = torch.device("cpu")
 GREEDY = AcceptanceRule()
@@ -180,13 +180,7 @@ def sample_pairs(n: int, seed: int) -> tuple[Counter, float]:
     eng, prompt, _ = stat_setup()
     rule = AcceptanceRule(SamplingConfig(temperature=1.0))
     session = make_session(tree=TreeConfig(total_tokens=4, depth=1, top_k=3), rule=rule, engine=eng)
-    counts: Counter = Counter()
-    accepted = 0
-    for i in range(n):
-        out, stats = decode_all(session, prompt, 2, rule, seed * n + i)
-        counts[tuple(out)] += 1
-        accepted += stats.accept_lengths[0] > 1
-    return counts, accepted / n
+    return sample_pairs_on(session, prompt, rule, n, seed)
 
 
 def test_sampling_with_an_eagle3_head_is_lossless():

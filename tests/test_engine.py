@@ -41,7 +41,7 @@ from fsd_eagle.session import PendingRound, Plan, Session
 import fsd_eagle.session as session_module
 from fsd_eagle.verify import AcceptanceRule, Verdict
 
-from conftest import chi_square_pvalue, decode_all, make_session, reference_probs, verify
+from conftest import chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, verify
 
 CPU = torch.device("cpu")
 GREEDY = AcceptanceRule()
@@ -863,13 +863,7 @@ def sample_pairs(setup, rule, n, seed, tree=STAT_TREE, ranking=None):
     session = make_session(tree=tree, rule=rule, engine=engine)
     if ranking is not None:
         session.drafter.ranking = ranking
-    counts: Counter = Counter()
-    accepted = 0
-    for i in range(n):
-        out, stats = decode_all(session, prompt, 2, rule, seed * n + i)
-        counts[tuple(out)] += 1
-        accepted += stats.accept_lengths[0] > 1
-    return counts, accepted / n
+    return sample_pairs_on(session, prompt, rule, n, seed)
 
 
 @pytest.mark.parametrize("temperature,top_p,n", [(1.0, 1.0, 2000), (0.7, 0.9, 2000)])
