@@ -260,8 +260,10 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
     model.safetensors with keys fc.*, layers.0.*) or the published EAGLE-3 layout (config.json with
     architectures ["LlamaForCausalLMEagle3"], draft_vocab_size and optionally
     eagle_config.eagle_aux_hidden_state_layer_ids; keys fc.weight, midlayer.*, norm.weight, lm_head.weight,
-    d2t, t2d). The head must fit the target, and its config must describe its weights: shapes are compared
-    on a head built on the meta device, before the real one is allocated."""
+    d2t, t2d), or vLLM's speculators format for EAGLE-3 (config.json with "speculators_model_type": "eagle3"
+    and transformer_layer_config; keys layers.0.* for midlayer.*, see fsd_eagle/export.py). The head must
+    fit the target, and its config must describe its weights: shapes are compared on a head built on the
+    meta device, before the real one is allocated."""
     folder = Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
@@ -273,6 +275,8 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{cfg_file} must hold a JSON object of head settings, not {type(raw).__name__}")
     state = _read_weights(folder)
+    if "speculators_model_type" in raw:
+        raw, state = _from_speculators(raw, state, cfg_file)
     base = HeadConfig.for_target(target_config)
     # The weights decide whether q/k/v have biases: EAGLE's configs call it "qkv_bias" (its Qwen2 heads) and
     # Qwen2 target configs have no attention_bias field, so neither config says it reliably.
@@ -293,6 +297,33 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
     head.load_state_dict(state)
     head.token_ranking = _read_ranking(folder, cfg.vocab_size)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def _from_speculators(raw: dict, state: dict, path: Path) -> tuple[dict, dict]:
+    """A speculators-format EAGLE-3 head as the published EAGLE-3 layout (config and weight names); what
+    our head does not implement is refused with one line."""
+    kind = raw.get("speculators_model_type")
+    if kind != "eagle3":
+        raise ModelLoadError(f"draft head {path}: speculators model type {kind!r} is not supported (only eagle3)")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ModelLoadError(f"bad draft head config {path}: transformer_layer_config must be an object")
+    for flag in ("norm_before_residual", "norm_before_fc"):
+        if raw.get(flag):
+            raise ModelLoadError(f"draft head {path}: {flag} heads are not supported")
+    target_hidden = raw.get("target_hidden_size")
+    if target_hidden is not None and target_hidden != layer.get("hidden_size"):
+        raise HeadMismatchError(f"draft head {path} reads a target of hidden size {target_hidden}, its own is "
+                                f"{layer.get('hidden_size')}; only equal sizes are supported")
+    extra = sorted({k.split(".")[1] for k in state if k.startswith("layers.") and not k.startswith("layers.0.")})
+    if extra or layer.get("num_hidden_layers", 1) != 1:
+        raise ModelLoadError(f"draft head {path} has {layer.get('num_hidden_layers')} decoder layers; "
+                             "only one-layer EAGLE-3 heads load")
+    flat = {k: v for k, v in layer.items() if k not in ("architectures", "layers", "arch")}
+    flat.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=raw.get("draft_vocab_size"),
+                eagle_config={"eagle_aux_hidden_state_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids")})
+    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+    return flat, renamed
 
 
 def _is_eagle3(raw: dict, state: dict) -> bool:

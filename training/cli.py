@@ -314,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "data":
         return data_main(argv[1:])
+    if argv and argv[0] == "export":
+        from fsd_eagle.export import main as export_main
+
+        return export_main(argv[1:])
     p = OneLineParser(prog="python -m training", description="train an EAGLE draft head")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train a head from a recipe")
@@ -349,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--max-len", type=int, default=1024, help="tokens per conversation, as in training")
     k.add_argument("--workers", type=int, default=8)
     sub.add_parser("data", help="prepare conversation files (python -m training data prepare --help)")
+    sub.add_parser("export", help="write a head in another engine's layout (python -m training export --help)")
     args = p.parse_args(argv)
     try:
         return rank(args) if args.command == "rank" else run(args)
