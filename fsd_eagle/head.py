@@ -429,30 +429,45 @@ class EagleHead(nn.Module):
             x, _ = layer(x, cos, sin, cache, slots, mask, embeds=inputs)
         return x
 
+    def set_draft_vocab(self, ranking: torch.Tensor) -> None:
+        """eagle3: the draft columns become the first ``draft_vocab_size`` tokens of ``ranking`` (every token
+        id, most frequent first), in id order: d2t and t2d as published (a whole vocabulary is the identity)."""
+        if not self.config.eagle3:
+            raise ConfigError("only an eagle3 head has its own draft vocabulary")
+        ids = ranking[:self.config.draft_vocab_size].to(self.d2t.device).long().sort().values
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
     def unroll(self, embeds: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test (EAGLE-3): the head run ``steps`` times on its own predictions, as a draft
-        chain runs it. Step 0 is EAGLE's teacher-forced step: row t reads (e(x_{t+1}), f_t) and predicts
-        f_{t+1}. Step j row t reads (e(x_{t+1+j}), step j-1's prediction for f_{t+j}) at position t + j and
-        predicts f_{t+1+j}; it sees step 0's rows <= t (the committed prefix, whose features came from the
-        target) and its own row t of every earlier step (the drafted path), as a draft at depth j+1 does.
+        chain runs it. Step 0 is the teacher-forced step: row t reads (e(x_{t+1}), the target's feature at t)
+        and predicts the next state. Step j row t reads (e(x_{t+1+j}), step j-1's output at row t) at position
+        t + j; it sees step 0's rows <= t (the committed prefix, whose features came from the target) and its
+        own row t of every earlier step (the drafted path), as a draft at depth j+1 does.
 
-        embeds ``[B, T + steps - 1, h]`` (e(x_1) ...), features f ``[B, T, h]``; returns ``steps``
-        predictions, each ``[B, T, h]``. ``steps`` = 1 is ``forward`` with causal attention. eagle2 heads only."""
-        if self.config.eagle3:
-            raise ConfigError("training an eagle3 head is not supported yet (only eagle2 heads train)")
+        eagle2: features f ``[B, T, h]``, step j's output is the predicted f_{t+1+j}. eagle3: features are the
+        captured target layers' states ``[B, T, m*h]``, step 0 reads g = ``fuse(...)`` and step j the head's
+        own previous output (before its norm; ``draft_logits`` turns an output into x_{t+2+j}'s logits).
+        embeds ``[B, T + steps - 1, h]`` (e(x_1) ...); returns ``steps`` outputs, each ``[B, T, h]``.
+        ``steps`` = 1 is ``forward`` with causal attention."""
+        eagle3 = self.config.eagle3
         b, t, _ = features.shape
         positions = torch.arange(t, device=features.device).expand(b, -1)
         causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
         diagonal = torch.eye(t, dtype=torch.bool, device=features.device)
-        preds, earlier = [], [None] * len(self.layers)
-        x = features
+        layers = self.decoder_layers
+        preds, earlier = [], [None] * len(layers)
+        x = self.fuse(features) if eagle3 else features
         for j in range(steps):
-            x = self.fc(torch.cat((embeds[:, j:j + t], x), dim=-1))
+            inputs = embeds[:, j:j + t]
+            if not eagle3:
+                x, inputs = self.fc(torch.cat((inputs, x), dim=-1)), None
             cos, sin = self.rotary(x, positions + j)
             allowed = torch.cat([causal] + [diagonal] * j, dim=1)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(layers):
                 context = None if j == 0 else Context(*earlier[i], allowed)
-                x, (k, v) = layer(x, cos, sin, None, None, None, context)
+                x, (k, v) = layer(x, cos, sin, None, None, None, context, embeds=inputs)
                 earlier[i] = (k, v) if j == 0 else (torch.cat((earlier[i][0], k), 2), torch.cat((earlier[i][1], v), 2))
             preds.append(x)
         return preds

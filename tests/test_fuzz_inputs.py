@@ -381,7 +381,8 @@ def test_head_config_fuzz(folders, tmp_path_factory, changes):
 
 
 RECIPE_FIELDS = ["epochs", "lr", "checkpoint_every", "tokens_per_batch", "max_len", "betas", "val_fraction", "seed",
-                 "unroll", "unroll_decay", "noise", "grad_clip", "answers", "distill", "data", "warmup_steps"]
+                 "unroll", "unroll_decay", "noise", "grad_clip", "answers", "distill", "data", "warmup_steps",
+                 "arch", "layers", "draft_vocab_size"]
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)

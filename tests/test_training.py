@@ -500,25 +500,30 @@ def test_checkpoint_round_trip_restores_optimizer(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(head.parameters(), head2.parameters()))
 
 
-def test_unrolled_steps_are_the_draft_chain(tmp_path):
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_unrolled_steps_are_the_draft_chain(tmp_path, arch):
     """EagleHead.unroll (training-time test) computes what drafting computes: step j's row t equals the
-    head run through its cache on the prefix 0..t (target features) and then j chained rows fed their own
-    predictions, each seeing the prefix and the chain so far. Step 0 is the teacher-forced forward."""
+    head run through its cache on the prefix 0..t (target features; eagle3: fc of the captured layers'
+    states) and then j chained rows fed their own outputs, each seeing the prefix and the chain so far.
+    Step 0 is the teacher-forced forward."""
     torch.manual_seed(0)
-    cfg = HeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=8)
+    eagle3 = dict(arch="eagle3", layers=(0, 1, 2), draft_vocab_size=4) if arch == "eagle3" else {}
+    cfg = HeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=8,
+                     **eagle3)
     head = EagleHead(cfg).eval()
     b, t, steps, slots = 2, 6, 3, 16
-    embeds, features = torch.randn(b, t + steps - 1, 32), torch.randn(b, t, 32)
+    embeds, features = torch.randn(b, t + steps - 1, 32), torch.randn(b, t, 96 if eagle3 else 32)
     with torch.no_grad():
         preds = head.unroll(embeds, features, steps)
+        read = head.fuse(features) if eagle3 else features  # what a committed row reads
         assert len(preds) == steps and all(p.shape == (b, t, 32) for p in preds)
-        assert torch.equal(preds[0], head(embeds[:, :t], features, torch.arange(t).expand(b, -1)))
+        assert torch.equal(preds[0], head(embeds[:, :t], read, torch.arange(t).expand(b, -1)))
         for row in range(b):
             for anchor in range(t):
                 cache = head.new_cache(slots, torch.device("cpu"), torch.float32)
                 n = anchor + 1
                 allowed = torch.ones(n, slots, dtype=torch.bool).tril()
-                x = head(embeds[row:row + 1, :n], features[row:row + 1, :n], torch.arange(n)[None], cache,
+                x = head(embeds[row:row + 1, :n], read[row:row + 1, :n], torch.arange(n)[None], cache,
                          torch.arange(n), _additive(allowed))[:, -1:]
                 for j in range(1, steps):
                     slot = n + j - 1
@@ -531,6 +536,16 @@ def test_unrolled_steps_are_the_draft_chain(tmp_path):
 
 def _additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[None, None]
+
+
+def _loss_batch():
+    """ids, attention and loss mask of two sequences of 9 tokens (the second padded after 7), answers from 4."""
+    ids = torch.randint(0, VOCAB, (2, 9))
+    attn = torch.ones(2, 9, dtype=torch.bool)
+    attn[1, 7:] = False
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[:, 4:] = True
+    return ids, attn, mask
 
 
 def test_one_step_loss_is_eagles_and_later_steps_count_shifted_rows(llama):
@@ -547,11 +562,7 @@ def test_one_step_loss_is_eagles_and_later_steps_count_shifted_rows(llama):
     target = Target(model)
     torch.manual_seed(0)
     head = EagleHead(HeadConfig.for_target(model.config))
-    ids = torch.randint(0, VOCAB, (2, 9))
-    attn = torch.ones(2, 9, dtype=torch.bool)
-    attn[1, 7:] = False
-    mask = torch.zeros(2, 9, dtype=torch.bool)
-    mask[:, 4:] = True
+    ids, attn, mask = _loss_batch()
     recipe = Recipe(noise=0.0)
     f = target.base(input_ids=ids, attention_mask=attn.long()).last_hidden_state.detach()
 
@@ -570,6 +581,41 @@ def test_one_step_loss_is_eagles_and_later_steps_count_shifted_rows(llama):
     assert metrics2["acc"].shape == (2,)
 
 
+def test_eagle3_loss_is_the_cross_entropy_over_the_draft_vocabulary(llama):
+    """An eagle3 head's loss: no feature term; each step's soft CE of the head's draft logits against the
+    target's next-token distribution restricted to the draft vocabulary and renormalised, over the rows
+    whose target top token is a draft token; steps weighed as for eagle2."""
+    import torch.nn.functional as F
+
+    from fsd_eagle.target import Target
+    from training.recipe import Recipe
+
+    model, _ = load_target(str(llama.target), torch.device("cpu"), torch.float32)
+    target = Target(model)
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(model.config, arch="eagle3", draft_vocab_size=64))
+    head.set_draft_vocab(torch.randperm(VOCAB))
+    draft = head.draft_ids()
+    assert int(head.t2d.sum()) == 64 and torch.equal(head.t2d.nonzero()[:, 0], draft)
+    ids, attn, mask = _loss_batch()
+    out = target.base(input_ids=ids, attention_mask=attn.long(), output_hidden_states=True)
+    f = out.last_hidden_state.detach()
+    states = torch.cat([out.hidden_states[i] for i in head.config.layers], -1).detach()
+    preds = head.unroll(target.embed(F.pad(ids[:, 1:], (0, 1))), states[:, :-1], 2)
+
+    def step_loss(pred, j):
+        rows = (mask & attn)[:, 1 + j:]
+        logits = target.logits(f[:, 1 + j:][rows])
+        keep = head.t2d[logits.argmax(-1)]
+        assert keep.any()
+        ce = -(logits[:, draft].softmax(-1) * torch.log_softmax(head.draft_logits(pred[:, :rows.shape[1]][rows]), -1))
+        return ce.sum(-1)[keep].mean()
+
+    loss, metrics = training.train.head_loss(head, target, ids, attn, mask, Recipe(unroll=2))
+    torch.testing.assert_close(loss, (step_loss(preds[0], 0) + 0.8 * step_loss(preds[1], 1)) / 1.8)
+    assert metrics["feat"].abs().sum() == 0 and metrics["acc"].shape == (2,)
+
+
 def test_unroll_trains_and_logs_each_step(llama, tmp_path):
     """--unroll 2 overrides the recipe, is recorded in the exported recipe, and the log has each step's
     feature loss, CE and accuracy (step 0's also as feat/ce/acc)."""
@@ -579,6 +625,43 @@ def test_unroll_trains_and_logs_each_step(llama, tmp_path):
     assert len(entry["acc_by_step"]) == len(entry["ce_by_step"]) == len(entry["feat_by_step"]) == 2
     assert entry["acc"] == entry["acc_by_step"][0] and entry["ce"] == entry["ce_by_step"][0]
     assert json.loads((out / "head" / "recipe.json").read_text())["unroll"] == 2
+
+
+def test_eagle3_trains_resumes_exports_and_decodes_exactly(llama, tmp_path, capsys):
+    """--arch eagle3: the head reads the default target layers, drafts over the most frequent answer tokens
+    (d2t/t2d from the token ranking), learns (CE falls, no feature loss), resumes losslessly from a
+    checkpoint, and the exported head reloads as an eagle3 head that decodes exactly as plain decoding."""
+    recipe = llama.write_recipe("recipe_eagle3.json", arch="eagle3", draft_vocab_size=64, epochs=4)
+    ref_out, out = tmp_path / "reference", tmp_path / "split"
+    assert main(llama.argv(ref_out, "--unroll", 2, recipe=recipe)) == 0
+    log = _log(ref_out)
+    assert all("feat" not in e and "feat_by_step" not in e and len(e["ce_by_step"]) == 2 for e in log)
+    # the tiny random target's next-token distributions are nearly flat: CE stays near their entropy
+    assert log[-1]["ce"] < log[0]["ce"] - 0.1 and log[-1]["acc"] > 2 * log[0]["acc"], log
+
+    assert main(llama.argv(out, "--unroll", 2, "--stop-after", 0, recipe=recipe)) == 0
+    assert '"stopped": true' in capsys.readouterr().out and not (out / "head").exists()
+    assert main(llama.argv(out, "--unroll", 2, "--resume", recipe=recipe)) == 0
+    ref_head, saved = load_file(ref_out / "head" / "model.safetensors"), load_file(out / "head" / "model.safetensors")
+    assert ref_head.keys() == saved.keys() and all(torch.equal(ref_head[k], saved[k]) for k in ref_head)
+
+    config = json.loads((out / "head" / "config.json").read_text())
+    model, tokenizer = load_target(llama.target, torch.device("cpu"), torch.float32)
+    n = model.config.num_hidden_layers
+    assert (config["arch"], config["draft_vocab_size"]) == ("eagle3", 64)
+    assert config["layers"] == sorted(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))
+    assert {"d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight"} <= saved.keys()
+    assert saved["lm_head.weight"].shape == (64, model.config.hidden_size) and saved["t2d"].dtype == torch.bool
+    assert not any(k.startswith("layers.") for k in saved)
+    head = load_head(out / "head", model.config, torch.device("cpu"), torch.float32)
+    assert head.config.eagle3
+    # the draft columns are the 64 most frequent answer tokens, in id order
+    top = head.token_ranking[:64].sort().values
+    assert torch.equal(head.draft_ids(), top) and int(head.t2d.sum()) == 64 and head.t2d[top].all()
+    gen = SpeculativeGenerator(model, tokenizer, head)
+    for prompt in [c.messages[:1] for c in llama.convs[:3]] + [UNSEEN["llama"]]:
+        spec, ref = gen.generate(prompt, 24), gen.generate(prompt, 24, autoregressive=True)
+        assert spec.token_ids == ref.token_ids and spec.text == ref.text
 
 
 # ------------------------------------------------------------------------------------- 4: bad input
@@ -689,6 +772,11 @@ def test_out_is_a_file(llama, tmp_path, capsys):
     (json.dumps({**RECIPE, "answers": "mine"}), "answers must be both, distilled or original"),
     (json.dumps({**RECIPE, "distill_turns": 0}), "distill_turns must be at least 1"),
     (json.dumps({**RECIPE, "unroll": 0}), "unroll must be at least 1"),
+    (json.dumps({**RECIPE, "arch": "eagle4"}), "arch must be eagle2 or eagle3, not 'eagle4'"),
+    (json.dumps({**RECIPE, "layers": [1, 2, 3]}), "layers and draft_vocab_size are eagle3 settings"),
+    (json.dumps({**RECIPE, "arch": "eagle3", "layers": [1, -2]}), "layers must be a list of target layer ids >= 0"),
+    (json.dumps({**RECIPE, "arch": "eagle3", "layers": [0, 1, 9]}), "reads target layers [0, 1, 9], the target has"),
+    (json.dumps({**RECIPE, "arch": "eagle3", "draft_vocab_size": 500}), "draft_vocab_size must be an integer from 0"),
     (json.dumps({**RECIPE, "epochs": "6"}), "epochs must be an integer, got '6'"),
     (json.dumps({**RECIPE, "lr": None}), "lr must be a number, got None"),
     ("{oops", "not valid JSON"),

@@ -54,6 +54,7 @@ def other_target(setup, root: Path, kind: str) -> Path:
     ("target: same config, other weights", "another target"),
     ("recipe: lr", "other recipe values (lr 0.005, not 0.001)"),
     ("recipe: unroll", "other recipe values (unroll 1, not 2)"),
+    ("recipe: arch", "other recipe values (arch"),
     ("data: other content", "other data"),
 ])
 def test_resume_refuses_another_run(setup, started, tmp_path, capsys, change, expected):
@@ -67,6 +68,8 @@ def test_resume_refuses_another_run(setup, started, tmp_path, capsys, change, ex
         kwargs["recipe"] = setup.write_recipe("recipe_lr.json", lr=1e-3)
     elif change == "recipe: unroll":
         extra = ["--unroll", 2]
+    elif change == "recipe: arch":
+        extra = ["--arch", "eagle3"]
     else:
         data = tmp_path / "data.jsonl"
         data.write_text("".join(line for line in setup.data.read_text().splitlines(keepends=True)[:-1]))
@@ -122,6 +125,9 @@ OPTIONS = {
     "--epochs -1": (["--epochs", -1], "--epochs must be at least 1, got -1"),
     "--distill-count -2": (["--distill-count", -2], "--distill-count must be at least 0"),
     "--unroll 0": (["--unroll", 0], "--unroll must be at least 1"),
+    "--layers for eagle2": (["--layers", 0, 1], "layers and draft_vocab_size are eagle3 settings"),
+    "--layers -1": (["--arch", "eagle3", "--layers", -1], "--layers must be a list of target layer ids >= 0"),
+    "--draft-vocab-size -1": (["--arch", "eagle3", "--draft-vocab-size", -1], "--draft-vocab-size must be at least 0"),
     "--workers 0": (["--workers", 0], "--workers must be between 1 and 1024"),
     "--time-budget nan": (["--time-budget", "nan"], "--time-budget must be a finite number of seconds > 0"),
     "--stop-after -1": (["--stop-after", -1], "--stop-after must be a finite number of seconds >= 0"),

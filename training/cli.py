@@ -22,8 +22,8 @@ from tqdm import tqdm
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.cli import OneLineParser, quiet_transformers
 from fsd_eagle.config import TreeConfig
-from fsd_eagle.errors import FSDError, HeadMismatchError, InputError
-from fsd_eagle.head import EagleHead, HeadConfig
+from fsd_eagle.errors import ConfigError, FSDError, HeadMismatchError, InputError
+from fsd_eagle.head import EagleHead, HeadConfig, check_fit
 from fsd_eagle.models import (check_threads, head_weights_sha256, load_head, load_target, resolve_device,
                                resolve_dtype, set_threads)
 from fsd_eagle.target import Target
@@ -142,7 +142,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count", "distill_turns", "answers", "init", "unroll"):
+    for key in ("epochs", "distill_count", "distill_turns", "answers", "init", "unroll", "arch", "layers",
+                "draft_vocab_size"):
         if getattr(args, key) is not None:
             problem = field_problem(key, getattr(args, key))
             if problem:
@@ -168,6 +169,21 @@ def check_options(args: argparse.Namespace) -> None:
         raise InputError(f"--stop-after must be a finite number of seconds >= 0, got {args.stop_after}")
 
 
+def head_config(recipe: Recipe, target_config, where: str) -> HeadConfig:
+    """The head the recipe trains for the target: eagle2, or eagle3 over the recipe's layers (default:
+    HeadConfig's) with a draft vocabulary of ``draft_vocab_size`` tokens (0: the whole vocabulary); a
+    setting the target cannot take is refused with one line that names ``where`` it comes from."""
+    if recipe.arch == "eagle2":
+        return HeadConfig.for_target(target_config)
+    try:
+        cfg = HeadConfig.for_target(target_config, arch="eagle3", layers=tuple(recipe.layers),
+                                    draft_vocab_size=recipe.draft_vocab_size)
+    except ConfigError as e:
+        raise InputError(f"{where}: {e}") from None
+    check_fit(cfg, target_config, f"{where}: the eagle3 head")
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     recipe = recipe_of(args)
     quiet_transformers()  # stderr: our progress bars and one-line errors, not transformers' loading bars
@@ -184,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}")
     model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
     torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
-    head = EagleHead(HeadConfig.for_target(model.config.get_text_config()))
+    head = EagleHead(head_config(recipe, model.config.get_text_config(), f"recipe {args.recipe}"))
     if recipe.init:
         init = load_head(recipe.init, model.config.get_text_config(), torch.device("cpu"), torch.float32).state_dict()
         if {k: v.shape for k, v in init.items()} != {k: v.shape for k, v in head.state_dict().items()}:
@@ -218,6 +234,8 @@ def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, mod
     examples = tokenize_all(tokenizer, tok_dir, train_convs, recipe.max_len, args.workers)
     n_tokens = sum(int(e.mask.sum()) for e in examples)
     timings["tokenize_s"] = round(time.perf_counter() - t, 1)
+    if head.config.eagle3 and not recipe.init:  # a warm start keeps its head's draft vocabulary
+        head.set_draft_vocab(rank_tokens(examples, head.config.vocab_size))
     print(json.dumps({"conversations": len(train_convs), "examples": len(examples), "loss_tokens": n_tokens,
                       "val_prompts": len(val), **timings}), flush=True)
     target = Target(model)
@@ -342,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--unroll", type=int,
                    help="train over N steps of the head on its own predictions (training-time test; default: the recipe's)")
     r.add_argument("--init", help="head folder to start from (warm start; overrides the recipe)")
+    r.add_argument("--arch", choices=("eagle2", "eagle3"), help="the head to train (default: the recipe's)")
+    r.add_argument("--layers", type=int, nargs="+",
+                   help="eagle3: the target layers the head reads (default: the recipe's, else low/middle/high)")
+    r.add_argument("--draft-vocab-size", type=int,
+                   help="eagle3: the head drafts among the N most frequent answer tokens (0: all; default: the recipe's)")
     r.add_argument("--time-budget", type=float,
                    help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")
     r.add_argument("--stop-after", type=float,

@@ -80,6 +80,11 @@ def collate(examples: list[Example], idx: list[int], device: torch.device):
 
 
 @torch.no_grad()
-def target_features(target: Target, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """f ``[B, T, h]``: the target's last hidden state after the final norm (the lm_head input)."""
-    return target.base(input_ids=ids, attention_mask=attn.long()).last_hidden_state
+def target_features(target: Target, ids: torch.Tensor, attn: torch.Tensor,
+                    layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward of the target: f ``[B, T, h]``, its last hidden state after the final norm (the lm_head
+    input), and with ``layers`` (an eagle3 head's) the hidden states entering those decoder layers, side by
+    side ``[B, T, m*h]`` (None without; hidden states are kept only then)."""
+    out = target.base(input_ids=ids, attention_mask=attn.long(), **({"output_hidden_states": True} if layers else {}))
+    states = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else None
+    return out.last_hidden_state, states

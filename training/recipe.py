@@ -41,6 +41,9 @@ class Recipe:
     noise: float = 0.2
     unroll: int = 1  # training-time test: steps of the head on its own predictions (1 = EAGLE-2's teacher forcing)
     unroll_decay: float = 0.8  # step j's loss weight is unroll_decay ** j (normalised to sum 1)
+    arch: str = "eagle2"  # the head: "eagle2" (EAGLE-1/2) or "eagle3" (fused target layers, own draft lm_head)
+    layers: list[int] = field(default_factory=list)  # eagle3: target layers read ([] = HeadConfig's default)
+    draft_vocab_size: int = 0  # eagle3: the head's lm_head covers the N most frequent answer tokens (0 = all)
     val_fraction: float = 0.01
     val_prompts: int = 8
     val_new_tokens: int = 96
@@ -83,7 +86,9 @@ class Recipe:
             problem = field_problem(f.name, getattr(self, f.name))
             if problem:
                 raise InputError(f"{where}: {f.name} {problem}")
-        if self.feature_weight == 0 and self.ce_weight == 0:
+        if self.arch == "eagle2" and (self.layers or self.draft_vocab_size):
+            raise InputError(f"{where}: layers and draft_vocab_size are eagle3 settings (arch is eagle2)")
+        if self.arch == "eagle2" and self.feature_weight == 0 and self.ce_weight == 0:
             raise InputError(f"{where}: feature_weight and ce_weight are both 0 (nothing to learn)")
 
     def to_dict(self) -> dict:
@@ -96,12 +101,14 @@ INT_RANGES = {"distill_count": (0, MAX_INT), "distill_batch": (1, MAX_INT), "dis
               "distill_new_tokens": (1, MAX_INT), "distill_turns": (1, MAX_INT), "max_len": (2, MAX_INT),
               "tokens_per_batch": (1, MAX_INT), "epochs": (1, MAX_INT), "max_steps": (0, MAX_INT),
               "warmup_steps": (0, MAX_INT), "unroll": (1, 64), "val_prompts": (0, MAX_INT),
-              "val_new_tokens": (1, MAX_INT), "checkpoint_every": (1, MAX_INT), "seed": (0, 2**63 - 1)}
+              "val_new_tokens": (1, MAX_INT), "checkpoint_every": (1, MAX_INT), "seed": (0, 2**63 - 1),
+              "draft_vocab_size": (0, MAX_INT)}
 # name -> (least, whether the least is allowed, most or None) for numbers; every one must be finite
 FLOAT_RANGES = {"lr": (0.0, True, None), "weight_decay": (0.0, True, None), "grad_clip": (0.0, False, None),
                 "feature_weight": (0.0, True, None), "ce_weight": (0.0, True, None), "noise": (0.0, True, None),
                 "unroll_decay": (0.0, True, None), "val_fraction": (0.0, True, 1.0)}
 ANSWERS = ("both", "distilled", "original")
+ARCHS = ("eagle2", "eagle3")
 
 
 def field_problem(name: str, value) -> str | None:
@@ -128,6 +135,11 @@ def field_problem(name: str, value) -> str | None:
             return f"must be two numbers in [0, 1), got {value!r}"
     elif name == "answers" and value not in ANSWERS:
         return f"must be both, distilled or original, not {value!r}"
+    elif name == "arch" and value not in ARCHS:
+        return f"must be eagle2 or eagle3, not {value!r}"
+    elif name == "layers" and not (isinstance(value, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_INT for i in value)):
+        return f"must be a list of target layer ids >= 0, got {value!r}"
     elif name == "distill" and not isinstance(value, bool):
         return f"must be true or false, got {value!r}"
     elif name in ("target", "init") and value is not None and not isinstance(value, str):
@@ -142,7 +154,7 @@ def _is_number(value) -> bool:
 
 
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "str | None": "a string or null", "list[str]": "a list of strings",
+               "str | None": "a string or null", "list[str]": "a list of strings", "list[int]": "a list of integers",
                "tuple[float, float]": "a list of two numbers"}
 
 
@@ -156,5 +168,6 @@ def _fits(type_name: str, value) -> bool:
         "str": lambda v: isinstance(v, str),
         "str | None": lambda v: v is None or isinstance(v, str),
         "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
         "tuple[float, float]": lambda v: isinstance(v, list) and len(v) == 2 and all(number(x) for x in v),
     }[type_name](value)

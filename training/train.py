@@ -1,5 +1,6 @@
-"""The EAGLE head training loop: online target features, SmoothL1 on the next feature plus soft
-cross-entropy against the target's next-token distribution, uniform input noise, AdamW with warm-up."""
+"""The EAGLE head training loop: online target features; for an eagle2 head SmoothL1 on the next feature
+plus soft cross-entropy against the target's next-token distribution with uniform input noise, for an eagle3
+head that cross-entropy over its draft vocabulary alone; AdamW with warm-up."""
 
 from __future__ import annotations
 
@@ -28,14 +29,25 @@ from .recipe import Recipe
 def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor,
               recipe: Recipe) -> tuple[torch.Tensor, dict]:
     """EAGLE's objective, over ``recipe.unroll`` steps of the head on its own predictions (``EagleHead.unroll``;
-    1 = EAGLE-1/2's teacher forcing). Step j row t predicts f_{t+1+j}; rows count where x_{t+1+j} is an
-    assistant token. Step j's loss weighs ``recipe.unroll_decay ** j`` (EAGLE-3: 0.8), normalised to sum 1.
-    Returns the loss and metrics: feature loss, CE and top-1 accuracy vs the target, per step ``[steps]``."""
-    steps = recipe.unroll
-    f = target_features(target, ids, attn)
-    f_in = f[:, :-1]
-    if recipe.noise > 0:
-        f_in = f_in + (torch.rand_like(f_in) - 0.5) * recipe.noise
+    1 = EAGLE-1/2's teacher forcing). Step j row t predicts position t + 1 + j; rows count where x_{t+1+j} is
+    an assistant token. Step j's loss weighs ``recipe.unroll_decay ** j`` (EAGLE-3: 0.8), normalised to sum 1.
+
+    eagle2: SmoothL1 on f_{t+1+j} (``feature_weight``) plus ``ce_weight`` x the soft cross-entropy of the
+    target's lm_head on the prediction against the target's next-token distribution; input features get
+    uniform noise (``noise``). eagle3 (EAGLE-3 drops the feature loss): the soft cross-entropy of the head's
+    draft-vocabulary logits against the target's next-token distribution restricted to the draft vocabulary
+    and renormalised there (tokens outside it get no target mass); a row whose target top token is outside
+    the draft vocabulary does not count (the head cannot draft it), as in the published trainer. No noise.
+    Returns the loss and metrics: feature loss (0 for eagle3), CE and top-1 accuracy vs the target's top
+    token, per step ``[steps]``."""
+    steps, eagle3 = recipe.unroll, head.config.eagle3
+    f, states = target_features(target, ids, attn, head.config.layers)
+    if eagle3:
+        f_in = states[:, :-1]
+    else:
+        f_in = f[:, :-1]
+        if recipe.noise > 0:
+            f_in = f_in + (torch.rand_like(f_in) - 0.5) * recipe.noise
     # Later steps read tokens past the sequence's end: pad (those rows never count).
     emb = target.embed(F.pad(ids[:, 1:], (0, steps - 1)))
     preds = head.unroll(emb, f_in.to(emb.dtype), steps)
@@ -44,31 +56,51 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
     b, t = (mask & attn)[:, 1:].nonzero(as_tuple=True)
     f_next = f[:, 1:][b, t]
     with torch.no_grad():
-        p = target.logits(f_next).softmax(-1)  # [N, V]
-        p_top = p.argmax(-1)
+        logits = target.logits(f_next)  # [N, V]
+        p_top = logits.argmax(-1)
+        counted = torch.ones_like(t, dtype=torch.bool)
+        if eagle3:
+            draft = head.draft_ids()
+            if draft is not None:
+                logits, counted = logits[:, draft], head.t2d[p_top]
+            p, p_top = logits.float().softmax(-1), logits.argmax(-1)  # p_top: a draft column from here on
+        else:
+            p = logits.softmax(-1)
     total = sum(recipe.unroll_decay ** j for j in range(steps))
     weights = [recipe.unroll_decay ** j / total for j in range(steps)]
     loss, feats, ces, accs = 0.0, [], [], []
     for j, pred in enumerate(preds):
-        valid = t >= j
+        valid = (t >= j) & counted
         q_in = pred[b, (t - j).clamp(min=0)]  # [N, h]; rows with t < j are dropped below
-        feat = F.smooth_l1_loss(q_in[valid].float(), f_next[valid].float())
-        logq = torch.log_softmax(target.logits(q_in), dim=-1)
-        ce = -(p * logq).sum(-1)[valid].mean()
-        loss = loss + weights[j] * (recipe.feature_weight * feat + recipe.ce_weight * ce)
+        logq = torch.log_softmax(head.draft_logits(q_in) if eagle3 else target.logits(q_in), dim=-1)
+        ce = _mean(-(p * logq).sum(-1), valid)
+        if eagle3:
+            feat, step_loss = torch.zeros_like(ce), ce
+        else:
+            feat = F.smooth_l1_loss(q_in[valid].float(), f_next[valid].float())
+            step_loss = recipe.feature_weight * feat + recipe.ce_weight * ce
+        loss = loss + weights[j] * step_loss
         feats.append(feat.detach())
         ces.append(ce.detach())
-        accs.append((logq.argmax(-1) == p_top)[valid].float().mean())
+        accs.append(_mean((logq.argmax(-1) == p_top).float(), valid))
     return loss, {"feat": torch.stack(feats), "ce": torch.stack(ces), "acc": torch.stack(accs)}
 
 
-def named_metrics(means: list[float], steps: int) -> dict:
+def _mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` over the ``valid`` rows (0 where none is: no NaN in the loss)."""
+    return torch.where(valid, values, 0).sum() / valid.sum().clamp(min=1)
+
+
+def named_metrics(means: list[float], steps: int, features: bool = True) -> dict:
     """The training loop's metric sums ([loss, feat per step, CE per step, accuracy per step]) by name:
-    feat/ce/acc are step 0's (EAGLE's teacher-forced step); with unrolled steps, also each step's."""
+    feat/ce/acc are step 0's (EAGLE's teacher-forced step); with unrolled steps, also each step's. Without
+    ``features`` (an eagle3 head, no feature loss) the feat entries are left out."""
     named = {"loss": means[0], "feat": means[1], "ce": means[1 + steps], "acc": means[1 + 2 * steps]}
     if steps > 1:
         for i, key in enumerate(("feat", "ce", "acc")):
             named[f"{key}_by_step"] = means[1 + i * steps:1 + (i + 1) * steps]
+    if not features:
+        named = {k: v for k, v in named.items() if not k.startswith("feat")}
     return named
 
 
@@ -88,7 +120,8 @@ def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step
     ck = out / "checkpoint"
     tmp = out / "checkpoint.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}, tmp / "head.safetensors")
+    save_file({k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()  # d2t/t2d stay integers
+               for k, v in head.state_dict().items()}, tmp / "head.safetensors")
     opt_state = {}
     for i, st in opt.state_dict()["state"].items():
         for k, v in st.items():
@@ -241,7 +274,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                     save(epoch)
             bar.close()
             means = (sums / max(1, count)).tolist()
-            entry = {"epoch": epoch + 1, "step": step, **named_metrics(means, recipe.unroll),
+            entry = {"epoch": epoch + 1, "step": step, **named_metrics(means, recipe.unroll, not head.config.eagle3),
                      "seconds": round(time.perf_counter() - t0, 1)}
             log.append(entry)
             resume_epoch = epoch + 1  # the epoch's steps are done (a Ctrl-C in validation keeps them)
