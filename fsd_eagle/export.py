@@ -190,16 +190,11 @@ def read_head(folder: str | Path, target=None) -> tuple[EagleHead, torch.dtype]:
     """A head folder as (head, the dtype its weights are stored in). A head in our format describes itself;
     a head in another layout takes what its config leaves out (RoPE, activation) from the ``target``
     config (``target_config``)."""
-    from .models import _read_weights
+    from .models import _read_weights, read_head_config
 
     folder = Path(folder)
     cfg_file = folder / "config.json"
-    if not cfg_file.exists():
-        raise ModelLoadError(f"no draft head at {folder}: expected config.json and weights")
-    try:
-        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{cfg_file} is not valid JSON ({e})") from None
+    raw = read_head_config(folder)
     fc = _read_weights(folder).get("fc.weight")
     dtype = fc.dtype if fc is not None and fc.is_floating_point() else torch.float32
     if target is None and isinstance(raw, dict) and raw.get("format") == "fsd-eagle":

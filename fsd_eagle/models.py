@@ -254,6 +254,21 @@ def default_head_path(target_name: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
+def read_head_config(folder: Path) -> dict:
+    """A head folder's config.json as a dict; ModelLoadError (one line) if it is missing or not a JSON
+    object."""
+    cfg_file = Path(folder) / "config.json"
+    if not cfg_file.exists():
+        raise ModelLoadError(f"no draft head at {folder}: expected config.json and weights")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{cfg_file} must hold a JSON object of head settings, not {type(raw).__name__}")
+    return raw
+
+
 def load_head(path: str | Path, target_config, device: torch.device, dtype: torch.dtype) -> EagleHead:
     """Load a draft head folder: our format (config.json with "format": "fsd-eagle" + model.safetensors),
     the published EAGLE / EAGLE-2 layout (a Llama-style config.json + pytorch_model.bin or
@@ -266,14 +281,7 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
     meta device, before the real one is allocated."""
     folder = Path(path)
     cfg_file = folder / "config.json"
-    if not cfg_file.exists():
-        raise ModelLoadError(f"no draft head at {folder}: expected config.json and weights")
-    try:
-        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{cfg_file} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{cfg_file} must hold a JSON object of head settings, not {type(raw).__name__}")
+    raw = read_head_config(folder)
     state = _read_weights(folder)
     if "speculators_model_type" in raw:
         raw, state = _from_speculators(raw, state, cfg_file)
