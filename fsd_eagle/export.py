@@ -190,12 +190,12 @@ def read_head(folder: str | Path, target=None) -> tuple[EagleHead, torch.dtype]:
     """A head folder as (head, the dtype its weights are stored in). A head in our format describes itself;
     a head in another layout takes what its config leaves out (RoPE, activation) from the ``target``
     config (``target_config``)."""
-    from .models import _read_weights, read_head_config
+    from .models import read_weights, read_head_config
 
     folder = Path(folder)
     cfg_file = folder / "config.json"
     raw = read_head_config(folder)
-    fc = _read_weights(folder).get("fc.weight")
+    fc = read_weights(folder).get("fc.weight")
     dtype = fc.dtype if fc is not None and fc.is_floating_point() else torch.float32
     if target is None and isinstance(raw, dict) and raw.get("format") == "fsd-eagle":
         fields = {k: raw[k] for k in HeadConfig.__dataclass_fields__ if k in raw}

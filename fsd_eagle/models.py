@@ -282,7 +282,7 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
     folder = Path(path)
     cfg_file = folder / "config.json"
     raw = read_head_config(folder)
-    state = _read_weights(folder)
+    state = read_weights(folder)
     if "speculators_model_type" in raw:
         raw, state = _from_speculators(raw, state, cfg_file)
     base = HeadConfig.for_target(target_config)
@@ -448,7 +448,7 @@ def head_weights_sha256(folder: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path else None
 
 
-def _read_weights(folder: Path) -> dict:
+def read_weights(folder: Path) -> dict:
     """A head folder's tensors by name. pytorch_model.bin is unpickled with ``weights_only`` (a pickle that
     holds anything but tensors and plain containers is refused, it could run code) and must be a name ->
     tensor mapping."""

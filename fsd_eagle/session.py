@@ -46,30 +46,44 @@ class Plan:
 
 
 @dataclass
-class PendingRound:
-    """A launched round's packed output (see ``decode.pack_round``) on its way to the host."""
-
-    host: torch.Tensor  # [B, 4 + P] on the CPU (a pinned buffer filled asynchronously in graph mode)
-    event: torch.cuda.Event | None = None  # set when the copy is asynchronous
-
-    def results(self) -> list[RoundResult]:
-        """One RoundResult per batch row (waits for this round only, not for a round launched after it)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return [RoundResult.unpack(row) for row in self.host.tolist()]
-
-
-@dataclass
-class FirstToken:
-    """A prompt's first token (from its prefill) on its way to the host."""
+class HostCopy:
+    """A device tensor on its way to the host: ``host`` (a pinned buffer filled asynchronously on CUDA) and
+    the event recorded after the copy (None when the copy was synchronous)."""
 
     host: torch.Tensor
     event: torch.cuda.Event | None = None
 
-    def read(self) -> int:
+    @classmethod
+    def of(cls, tensor: torch.Tensor, buf: torch.Tensor | None = None):
+        """Start copying ``tensor`` to the host (into ``buf``, a pinned buffer of its shape, if given)."""
+        if not tensor.is_cuda:
+            return cls(tensor.cpu())
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if buf is None else buf
+        buf.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(buf, event)
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once its copy is done (waits for this copy only, not for later work)."""
         if self.event is not None:
             self.event.synchronize()
-        return int(self.host[0])
+        return self.host
+
+
+class PendingRound(HostCopy):
+    """A launched round's packed output ``[B, 4 + P]`` (see ``decode.pack_round``) on its way to the host."""
+
+    def results(self) -> list[RoundResult]:
+        """One RoundResult per batch row."""
+        return [RoundResult.unpack(row) for row in self.wait().tolist()]
+
+
+class FirstToken(HostCopy):
+    """A prompt's first token (from its prefill) on its way to the host."""
+
+    def read(self) -> int:
+        return int(self.wait()[0])
 
 
 class Session:
@@ -160,7 +174,7 @@ class Session:
             st.values.set(rule, row)
             st.rng.load_row(r, one.rng)
         st.active[row].fill_(True)
-        return self._to_host(root_token, FirstToken)
+        return FirstToken.of(root_token)
 
     def stop(self, row: int) -> None:
         """Stop ``row``: its caches stop growing (its rounds still run, their results are ignored)."""
@@ -182,21 +196,9 @@ class Session:
                     self.host = [torch.empty(output.shape, dtype=output.dtype, pin_memory=True) for _ in range(2)]
                 buf = self.host[self.turn]
                 self.turn ^= 1
-                buf.copy_(output, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                return PendingRound(buf, event)
+                return PendingRound.of(output, buf)
         self._apply_attention()
-        return PendingRound(run_round(self.target, self.drafter, self.state, self.tree, self.form).cpu())
-
-    def _to_host(self, tensor: torch.Tensor, kind):
-        if not tensor.is_cuda:
-            return kind(tensor.cpu())
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        buf.copy_(tensor, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return kind(buf, event)
+        return PendingRound.of(run_round(self.target, self.drafter, self.state, self.tree, self.form))
 
     def _prefill(self, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, DraftRoot | None]:
         """``decode.prefill`` of one prompt ``[L]`` into the one-row caches: eagerly, or in graph mode by
