@@ -90,9 +90,10 @@ class SlotCache(Cache):
                  self._row_index.view(1, 1, b, 1, 1), self._head_index.view(1, 1, 1, -1, 1))
         self.kv.index_put_(where + (dst.view(1, 1, b, 1, p),), self.kv[where + (src.view(1, 1, b, 1, p),)])
 
-    def load_row(self, row: torch.Tensor, other: "SlotCache") -> None:
-        """Row ``row`` (a ``[1]`` index tensor) takes every slot of ``other``'s single row (same size)."""
-        self.kv.index_copy_(2, row, other.kv)
+    def load_rows(self, rows: torch.Tensor, other: "SlotCache", src: torch.Tensor) -> None:
+        """Rows ``rows`` (a ``[k]`` index tensor) take every slot of ``other``'s rows ``src`` (``[k]``; same
+        number of slots)."""
+        self.kv.index_copy_(2, rows, other.kv.index_select(2, src))
 
 
 @dataclass(frozen=True)

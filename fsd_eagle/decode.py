@@ -194,25 +194,43 @@ def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState,
 RECOMPILE_LIMIT = 64
 
 
-def _compile(fn):
+def _compile(fn, dynamic: bool = False):
+    """``fn`` compiled by inductor. Static shapes, or with ``dynamic`` dynamo's automatic dynamic shapes: a
+    dimension that differs from an earlier compilation (the batch size of another session) becomes
+    symbolic, so that one compilation serves every later size. Duck sizing (one symbol for dimensions that
+    happen to be equal, such as a batch of 8 and a top-k of 8) is turned off while tracing: it would tie
+    the batch to the tree and compile again for the next size."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(fn, dynamic=False)
+    compiled = torch.compile(fn, dynamic=None if dynamic else False)
+    if not dynamic:
+        return compiled
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 @functools.cache
-def compiled_round():
+def compiled_round(batched: bool = False):
     """``run_round`` compiled by inductor: fuses a round's many small kernels (norms, rotary, masks, tree
     bookkeeping, the sampling rule's random numbers; on the H200 a compiled round took 3.6 ms against 6.5 ms)
-    before graph capture. dynamo recompiles per tree, rule form, batch and cache shape, not per rule value."""
-    return _compile(run_round)
+    before graph capture. dynamo compiles per tree, rule form and cache shape, not per rule value; one-row
+    rounds with static shapes, ``batched`` ones (B > 1) with the batch size symbolic once a second size
+    appears: on an H200 sessions of 32 and 64 rows then started in 0.7-1.0 s instead of 50-90 s, their
+    rounds replaying within 4% of static ones (eval/results/gpu_batch_round_cost.json)."""
+    return _compile(run_round, dynamic=batched)
 
 
 @functools.cache
 def compiled_prefill():
-    """``prefill`` compiled by inductor, one graph per padded prompt length (dynamo recompiles per bucket).
-    A 64-token prefill of SmolLM2-135M replayed in 6.6-6.9 ms on an H100 when captured from eager kernels,
-    in 4.7-4.9 ms compiled."""
-    return _compile(prefill)
+    """``prefill`` compiled by inductor, with the padded prompt length symbolic once a second length bucket
+    appears (two compilations serve every bucket; a CUDA graph is still captured per bucket). A 64-token
+    prefill of SmolLM2-135M replayed in 6.6-6.9 ms on an H100 when captured from eager kernels, in 4.7-4.9 ms
+    compiled (static shapes)."""
+    return _compile(prefill, dynamic=True)
 
 
 def round_attention(compiled: bool, config, preferred: str | None = None) -> str:

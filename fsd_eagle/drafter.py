@@ -155,11 +155,11 @@ class EagleDrafter(SlotDrafter):
         self.length.zero_()
         self.use_vocab(tree.draft_vocab)
 
-    def load_row(self, row: torch.Tensor, other: "EagleDrafter") -> None:
-        """Row ``row`` (``[1]`` index tensor) takes the cache and length of ``other``'s single row."""
-        self.cache.keys.index_copy_(0, row, other.cache.keys)
-        self.cache.values.index_copy_(0, row, other.cache.values)
-        self.length.index_copy_(0, row, other.length)
+    def load_rows(self, rows: torch.Tensor, other: "EagleDrafter", src: torch.Tensor) -> None:
+        """Rows ``rows`` (``[k]`` index tensor) take the cache and length of ``other``'s rows ``src``."""
+        self.cache.keys.index_copy_(0, rows, other.cache.keys.index_select(0, src))
+        self.cache.values.index_copy_(0, rows, other.cache.values.index_select(0, src))
+        self.length.index_copy_(0, rows, other.length.index_select(0, src))
 
     @property
     def lm(self) -> Target:
@@ -233,8 +233,8 @@ class ModelDrafter(SlotDrafter):
         self.max_len = self.model.cache.max_len
         self.use_vocab(tree.draft_vocab)
 
-    def load_row(self, row: torch.Tensor, other: "ModelDrafter") -> None:
-        self.model.load_row(row, other.model)
+    def load_rows(self, rows: torch.Tensor, other: "ModelDrafter", src: torch.Tensor) -> None:
+        self.model.load_rows(rows, other.model, src)
 
     @property
     def lm(self) -> Target:

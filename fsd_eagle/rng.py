@@ -75,10 +75,10 @@ class RandomStream:
         """Next step of every row (in place: captured graphs advance the stream as they replay)."""
         self.counter.add_(1)
 
-    def load_row(self, row: torch.Tensor, other: "RandomStream") -> None:
-        """Row ``row`` (``[1]`` index tensor) takes the key and step of ``other``'s single row."""
-        self.key.index_copy_(0, row, other.key)
-        self.counter.index_copy_(0, row, other.counter)
+    def load_rows(self, rows: torch.Tensor, other: "RandomStream", src: torch.Tensor) -> None:
+        """Rows ``rows`` (``[k]`` index tensor) take the keys and steps of ``other``'s rows ``src``."""
+        self.key.index_copy_(0, rows, other.key.index_select(0, src))
+        self.counter.index_copy_(0, rows, other.counter.index_select(0, src))
 
     def bits(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
         """Random 32-bit words ``[B, *shape]`` (int64 in [0, 2^32)) of draw ``draw`` at each row's step."""

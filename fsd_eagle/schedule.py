@@ -1,6 +1,8 @@
 """Continuous batching: prompts flow through a session's B rows; a row whose prompt has finished takes
-the next waiting prompt at the next round boundary, so the throughput of a prompt list does not wait for
-its longest answer.
+the next waiting prompt at a round boundary, so the throughput of a prompt list does not wait for its
+longest answer. Prompts that start at one boundary are prefilled together (``Session.start_rows``); with
+many rows, freed rows wait until a few of them can be refilled at once (``refill_at``), since a prefill
+costs several rounds of the whole batch and k prompts prefill in about the time of one.
 
 ``Scheduler.run`` yields each prompt's new tokens as rounds complete; the caller decides when a prompt
 ends early (EOS, a stop string: ``finish``), the scheduler ends it at its token budget. One host sync per
@@ -33,14 +35,23 @@ class Request:
     stats: DecodeStats = field(default_factory=DecodeStats)
 
 
+def refill_rows(rows: int) -> int:
+    """Freed rows that a scheduler over ``rows`` rows refills together: 1 up to 15 rows, then rows / 8 (a
+    row idles a few rounds, the batch saves most of a prefill per prompt)."""
+    return max(1, rows // 8)
+
+
 class Scheduler:
     """Decodes ``requests`` on ``session`` (whose plan fits every request's rule form), at most ``rows``
-    (default: the session's B) at a time, in order of the list: rows are filled first to last, and a freed
-    row takes the next waiting request. Rows past ``rows`` stay idle."""
+    (default: the session's B) at a time, in order of the list: rows are filled first to last, and freed
+    rows take the next waiting requests once ``refill_at`` of them are free (default ``refill_rows``), or
+    fewer when fewer requests wait or every row is free. Rows past ``rows`` stay idle."""
 
-    def __init__(self, session: Session, requests: list[Request], rows: int | None = None) -> None:
+    def __init__(self, session: Session, requests: list[Request], rows: int | None = None,
+                 refill_at: int | None = None) -> None:
         self.session, self.requests = session, requests
         self.rows = min(rows or session.batch, session.batch)
+        self.refill_at = refill_at or refill_rows(self.rows)
         self.finished: set[int] = set()  # requests the caller ended (EOS, stop string)
         self.done: set[int] = set()  # requests whose row was released
         self.produced = [0] * len(requests)
@@ -71,13 +82,16 @@ class Scheduler:
         ahead: tuple[PendingRound, tuple] | None = None
         while True:
             started: list[tuple[int, int, FirstToken]] = []
-            for row in range(self.rows):
-                if owner[row] is None and waiting:
-                    i = waiting.popleft()
-                    self.started_at[i] = time.perf_counter()
-                    self.row_of[i] = row
-                    started.append((row, i, s.start(row, reqs[i].prompt_ids, reqs[i].rule, reqs[i].seed)))
-                    owner[row] = i
+            free = [row for row in range(self.rows) if owner[row] is None]
+            if waiting and free and (len(free) >= min(self.refill_at, len(waiting)) or len(free) == self.rows):
+                rows = free[:len(waiting)]
+                take = [waiting.popleft() for _ in rows]
+                now = time.perf_counter()
+                for row, i in zip(rows, take):
+                    self.started_at[i], self.row_of[i], owner[row] = now, row, i
+                firsts = s.start_rows(rows, [reqs[i].prompt_ids for i in take], [reqs[i].rule for i in take],
+                                      [reqs[i].seed for i in take])
+                started = list(zip(rows, take, firsts))
             busy = [i for i in owner if i is not None]
             if not busy:
                 return

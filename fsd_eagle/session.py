@@ -18,9 +18,10 @@ import torch
 from .config import TreeConfig
 from .decode import (RoundResult, RoundState, capture, capture_first, compiled_prefill, compiled_round, prefill,
                      prefill_bucket, round_attention, run_round)
-from .drafter import DraftRoot, ModelDrafter
+from .drafter import DraftRoot, ModelDrafter, SlotDrafter
 from .engine import Engine
 from .sampling import RuleForm
+from .target import Target
 from .trees_presets import BUCKETS
 
 def session_rows(rows: int) -> int:
@@ -79,11 +80,35 @@ class PendingRound(HostCopy):
         return [RoundResult.unpack(row) for row in self.wait().tolist()]
 
 
-class FirstToken(HostCopy):
-    """A prompt's first token (from its prefill) on its way to the host."""
+@dataclass
+class FirstToken:
+    """A prompt's first token (from its prefill) on its way to the host: entry ``index`` of ``copy`` (the
+    first tokens of the prompts prefilled together)."""
+
+    copy: HostCopy
+    index: int = 0
 
     def read(self) -> int:
-        return int(self.wait()[0])
+        return int(self.copy.wait()[self.index])
+
+
+# Prompts that a batch session prefills together at most: a prefill of a few hundred tokens is bound by
+# kernel launches, not arithmetic, so k prompts in one padded [k, L] forward cost about what one does.
+PREFILL_GROUP = 8
+
+
+@dataclass
+class PrefillRows:
+    """A target, drafter and round state of ``rows`` rows that prompts are prefilled into before they are
+    copied into their session rows (in a one-row session, the session's own)."""
+
+    target: Target
+    drafter: SlotDrafter | None
+    state: RoundState
+
+    @property
+    def rows(self) -> int:
+        return self.state.root_token.shape[0]
 
 
 class Session:
@@ -92,9 +117,9 @@ class Session:
 
     Rounds run eagerly, or on CUDA by replaying a captured graph of ``decode.run_round`` (compiled first with
     ``plan.compile``); if a compiled round cannot be captured with FlexAttention it is tried with SDPA, then
-    uncompiled; where nothing captures, rounds run eagerly with the same outputs. Prefills run one prompt at
-    a time into a one-row cache (captured per padded prompt length) and are copied into their row (with B =
-    1 the row itself). In graph mode ``launch`` returns before the round ends, so the host can read one
+    uncompiled; where nothing captures, rounds run eagerly with the same outputs. Prompts are prefilled alone
+    or up to PREFILL_GROUP together into caches of their own (padded to one length; a graph captured per
+    row count and padded length) and copied into their rows (with B = 1 the row itself). In graph mode ``launch`` returns before the round ends, so the host can read one
     round while the GPU runs the next.
     """
 
@@ -107,13 +132,17 @@ class Session:
         self.form = plan.form if self.drafting else plan.form.exact()
         dev = self.target.device
         self.state = RoundState.create(dev, self.batch)
-        if self.batch == 1:  # prefill straight into the row
-            self.one_target, self.one_drafter, self.one_state = self.target, self.drafter, self.state
+        # Where prompts are prefilled, by rows: a one-row session prefills straight into its row; a batch
+        # session into one row (a single prompt) or PREFILL_GROUP rows (several), then copies them over.
+        self.prefill_rows: dict[int, PrefillRows] = {}
+        if self.batch == 1:
+            self.prefill_rows[1] = PrefillRows(self.target, self.drafter, self.state)
         else:
-            self.one_target = engine.new_target()
-            self.one_drafter = engine.new_drafter(self.one_target) if self.drafting else None
-            self.one_state = RoundState.create(dev, 1)
-        self.rows = torch.arange(self.batch, device=dev).view(self.batch, 1)  # index tensors, made once
+            for k in sorted({1, min(self.batch, PREFILL_GROUP)}):
+                target = engine.new_target()
+                drafter = engine.new_drafter(target) if self.drafting else None
+                self.prefill_rows[k] = PrefillRows(target, drafter, RoundState.create(dev, k))
+        self.row_ids = torch.arange(self.batch, device=dev)  # index tensors, made once
         self.use_graph = plan.graphs and dev.type == "cuda"
         self.compile = plan.compile and self.use_graph
         self.attention = round_attention(self.compile, self.target.config, plan.attention)
@@ -121,9 +150,9 @@ class Session:
         self.captured_for: tuple = ()
         self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)
         self.turn = 0
-        # Prefills by padded length: (ids buffer, length buffer, the prefill on them, its (graph, outputs)
-        # or None where capture failed).
-        self.prefills: dict[int, tuple] = {}
+        # Prefills by (rows, padded length): (ids buffer, length buffer, the prefill on them, its (graph,
+        # outputs) or None where capture failed).
+        self.prefills: dict[tuple[int, int], tuple] = {}
         self.prefills_for: tuple = ()
         self.max_len = 0
 
@@ -145,8 +174,7 @@ class Session:
     def allocate(self, max_len: int) -> None:
         """Caches of ``max_len`` slots per row (kept when big enough), every row stopped."""
         pairs = [(self.target, self.drafter, self.batch)]
-        if self.one_target is not self.target:
-            pairs.append((self.one_target, self.one_drafter, 1))
+        pairs += [(p.target, p.drafter, k) for k, p in self.prefill_rows.items() if p.target is not self.target]
         for target, drafter, batch in pairs:
             target.allocate(max_len, batch)
             if drafter is not None:
@@ -158,23 +186,44 @@ class Session:
         """Start decoding ``prompt_ids`` ``[L]`` in ``row`` under ``rule`` (an AcceptanceRule of this plan's
         form) from ``seed``: prefill, then load the row. Returns the prompt's first token (read later: no
         host sync here). Enqueued after any round already launched."""
-        one = self.one_state
-        one.values.set(rule, 0)
-        one.rng.reseed(seed, 0)
-        root_token, root = self._prefill(prompt_ids)
+        return self.start_rows([row], [prompt_ids], [rule], [seed])[0]
+
+    def start_rows(self, rows: list[int], prompts: list[torch.Tensor], rules: list, seeds: list[int]
+                   ) -> list[FirstToken]:
+        """``start`` for several rows at once: prompts are prefilled PREFILL_GROUP at a time, each group in
+        one padded forward. Every row's outputs are those of its prompt started alone."""
+        group = max(self.prefill_rows)
+        firsts = []
+        for at in range(0, len(rows), group):
+            part = slice(at, at + group)
+            firsts += self._start_group(rows[part], prompts[part], rules[part], seeds[part])
+        return firsts
+
+    def _start_group(self, rows: list[int], prompts: list[torch.Tensor], rules: list, seeds: list[int]
+                     ) -> list[FirstToken]:
+        k = len(rows)
+        pre = self.prefill_rows[1 if k == 1 else max(self.prefill_rows)]
+        for j, (rule, seed) in enumerate(zip(rules, seeds)):
+            pre.state.values.set(rule, j)
+            pre.state.rng.reseed(seed, j)
+        root_token, root = self._prefill(pre, prompts)
         st = self.state
-        if self.one_target is self.target:
+        if pre.target is self.target:  # one-row session: prefilled in place
             st.load_root(None, root_token, root)
+            st.active.fill_(True)
         else:
-            r = self.rows[row]
-            self.target.load_row(r, self.one_target)
+            dst = torch.cat([self.row_ids[r:r + 1] for r in rows])  # [k] on the device, no host copy
+            src = self.row_ids[:k]
+            self.target.load_rows(dst, pre.target, src)
             if self.drafter is not None:
-                self.drafter.load_row(r, self.one_drafter)
-            st.load_root(r, root_token, root)
-            st.values.set(rule, row)
-            st.rng.load_row(r, one.rng)
-        st.active[row].fill_(True)
-        return FirstToken.of(root_token)
+                self.drafter.load_rows(dst, pre.drafter, src)
+            st.load_root(dst, root_token[:k], None if root is None else DraftRoot(root.logits[:k], root.state[:k]))
+            for row, rule in zip(rows, rules):
+                st.values.set(rule, row)
+            st.rng.load_rows(dst, pre.state.rng, src)
+            st.active.index_fill_(0, dst, True)
+        copy = HostCopy.of(root_token[:k])
+        return [FirstToken(copy, j) for j in range(k)]
 
     def stop(self, row: int) -> None:
         """Stop ``row``: its caches stop growing (its rounds still run, their results are ignored)."""
@@ -200,35 +249,42 @@ class Session:
         self._apply_attention()
         return PendingRound.of(run_round(self.target, self.drafter, self.state, self.tree, self.form))
 
-    def _prefill(self, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, DraftRoot | None]:
-        """``decode.prefill`` of one prompt ``[L]`` into the one-row caches: eagerly, or in graph mode by
-        replaying the graph captured for its padded length (the eager HF forward is ~25 ms of kernel launches
-        on the H200)."""
-        n = prompt_ids.shape[0]
-        one, dev = self.one_state, prompt_ids.device
+    def _prefill(self, pre: PrefillRows, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, DraftRoot | None]:
+        """``decode.prefill`` of up to ``pre.rows`` prompts (``[L_j]`` each) into ``pre``'s caches, padded to
+        one length (rows past the prompts prefill a one-token dummy, never loaded): eagerly, or in graph mode
+        by replaying the graph captured for the rows and padded length (the eager HF forward is ~25 ms of
+        kernel launches on the H200). Returns the first tokens ``[rows]`` and draft roots."""
+        dev, rows = prompts[0].device, pre.rows
         form = self.form.exact()  # a prefill draws the first token: fuzzy settings play no part
+        longest = max(p.shape[0] for p in prompts)
         if not self.use_graph:
-            return prefill(self.one_target, self.one_drafter, prompt_ids.view(1, n), torch.full((1,), n, device=dev),
-                           form, one.values, one.rng)
-        caches = (self.one_target.cache, getattr(self.one_drafter, "cache", None))
-        if any(a is not b for a, b in zip(caches, self.prefills_for)):
+            ids = torch.zeros(rows, longest, dtype=torch.long, device=dev)
+            for j, p in enumerate(prompts):
+                ids[j, :p.shape[0]].copy_(p)
+            length = torch.tensor([p.shape[0] for p in prompts] + [1] * (rows - len(prompts)), device=dev)
+            return prefill(pre.target, pre.drafter, ids, length, form, pre.state.values, pre.state.rng)
+        caches = tuple(c for p in self.prefill_rows.values() for c in (p.target.cache, getattr(p.drafter, "cache", None)))
+        if len(caches) != len(self.prefills_for) or any(a is not b for a, b in zip(caches, self.prefills_for)):
             self.prefills, self.prefills_for = {}, caches  # graphs hold cache addresses
-        size = prefill_bucket(n)
-        entry = self.prefills.get(size)
-        ids, length = entry[:2] if entry else (torch.zeros(1, size, dtype=torch.long, device=dev),
-                                               torch.zeros(1, dtype=torch.long, device=dev))
+        key = (rows, prefill_bucket(longest))
+        entry = self.prefills.get(key)
+        ids, length = entry[:2] if entry else (torch.zeros(key, dtype=torch.long, device=dev),
+                                               torch.zeros(rows, dtype=torch.long, device=dev))
         ids.zero_()
-        ids[0, :n].copy_(prompt_ids)
-        length.fill_(n)
-        if entry is None:  # first prompt of this bucket: capture (warm-ups run on this prompt)
-            args = (self.one_target, self.one_drafter, ids, length, form, one.values, one.rng)
+        length.fill_(1)
+        for j, p in enumerate(prompts):
+            ids[j, :p.shape[0]].copy_(p)
+            length[j].fill_(p.shape[0])
+        if entry is None:  # first prompts of this bucket: capture (warm-ups run on them)
+            args = (pre.target, pre.drafter, ids, length, form, pre.state.values, pre.state.rng)
             fn = functools.partial(prefill, *args)
-            # Compiled prefills only for one-row sessions: dynamo compiles a prefill per session and prompt
-            # bucket (its guards hold the session's objects), ~30-60 s each, to save ~2 ms per prompt.
+            # Compiled prefills only for one-row sessions: dynamo compiles a prefill per session (its guards
+            # hold the session's objects), ~30-60 s each, to save ~2 ms per prompt; batch sessions prefill
+            # several prompts per forward instead.
             compiled = self.compile and self.batch == 1
             candidates = ([functools.partial(compiled_prefill(), *args)] if compiled else []) + [fn]
-            found = capture_first(candidates, self._prefill_state())
-            entry = self.prefills[size] = (ids, length, fn, found)  # found None: this bucket runs eagerly
+            found = capture_first(candidates, self._prefill_state(pre))
+            entry = self.prefills[key] = (ids, length, fn, found)  # found None: this bucket runs eagerly
         _, _, fn, captured = entry
         if captured is None:
             return fn()
@@ -245,7 +301,7 @@ class Session:
         for compiled, backend in options:
             self.compile, self.attention = compiled, backend
             self._apply_attention()
-            fn = compiled_round() if compiled else run_round
+            fn = compiled_round(self.batch > 1) if compiled else run_round
             found = capture(functools.partial(fn, self.target, self.drafter, self.state, self.tree, self.form),
                             self._round_state())
             if found is not None:
@@ -257,10 +313,11 @@ class Session:
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.model.use_attention(self.attention)
 
-    def _prefill_state(self) -> list[torch.Tensor]:
+    @staticmethod
+    def _prefill_state(pre: PrefillRows) -> list[torch.Tensor]:
         """What a prefill changes besides cache rows (restored after capture warm-ups)."""
-        d = self.one_drafter
-        return [self.one_target.length, self.one_state.rng.counter] + ([d.length] if d is not None else [])
+        d = pre.drafter
+        return [pre.target.length, pre.state.rng.counter] + ([d.length] if d is not None else [])
 
     def _round_state(self) -> list[torch.Tensor]:
         """What a round changes besides cache rows past the prefixes (restored after capture warm-ups)."""

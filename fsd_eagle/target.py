@@ -106,10 +106,10 @@ class Target:
             self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.length.zero_()
 
-    def load_row(self, row: torch.Tensor, other: "Target") -> None:
-        """Row ``row`` (``[1]`` index tensor) takes the cache and length of ``other``'s single row."""
-        self.cache.load_row(row, other.cache)
-        self.length.index_copy_(0, row, other.length)
+    def load_rows(self, rows: torch.Tensor, other: "Target", src: torch.Tensor) -> None:
+        """Rows ``rows`` (``[k]`` index tensor) take the cache and length of ``other``'s rows ``src``."""
+        self.cache.load_rows(rows, other.cache, src)
+        self.length.index_copy_(0, rows, other.length.index_select(0, src))
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: SlotMask,

@@ -128,6 +128,33 @@ def test_sampling_rows_with_their_seeds_decode_as_alone():
     assert len({tuple(o) for o in out}) > 1
 
 
+def test_prompts_prefilled_in_groups_and_refilled_together_decode_as_alone(monkeypatch):
+    """12 prompts on 12 rows (a 16-row session): the first fill prefills 8 prompts in one padded forward and 4
+    in the next (4 unused prefill rows); with refill_at = 3, freed rows wait until 3 are free (or too few
+    prompts wait) and start together. Every output equals its prompt alone, sampled rows too."""
+    from fsd_eagle import session as session_module
+
+    eng = engine("llama", "head")
+    rule = AcceptanceRule(SamplingConfig(temperature=0.8))
+    plan = Plan(TREE, rule.form, batch=session_rows(12))
+    assert plan.batch == 16 and session_module.PREFILL_GROUP == 8
+    ps = prompts(20, eng.target.vocab_size, seed=5)
+    budgets = [3 + 5 * (i % 5) for i in range(len(ps))]
+    groups: list[int] = []
+    original = Session.start_rows
+    monkeypatch.setattr(Session, "start_rows", lambda self, rows, *a: groups.append(len(rows)) or original(self, rows, *a))
+    session = Session(eng, plan)
+    scheduler = Scheduler(session, [Request(p, n, rule, seed=i) for i, (p, n) in enumerate(zip(ps, budgets))], 12,
+                          refill_at=3)
+    out: list[list[int]] = [[] for _ in ps]
+    for i, tokens in scheduler.run():
+        out[i] += tokens
+    assert groups[0] == 12 and sum(groups) == 20
+    assert all(g >= 3 for g in groups[1:-1]) and len(groups) > 2  # deferred refills, several rows at once
+    for i, (p, n) in enumerate(zip(ps, budgets)):
+        assert out[i] == alone(eng, plan, p, n, rule, i)
+
+
 def test_batch_buckets():
     assert [session_rows(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 100)] == [1, 2, 4, 8, 8, 16, 64, 64, 64]
 

@@ -1167,6 +1167,32 @@ def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
 
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_sizes(tiny_llama):
+    """Batch sessions' compiled round (``compiled_round(True)``): every row's outputs equal the eager
+    round's, at batch sizes 2, 3 and 5 (greedy and sampled rows mixed), and once a second batch size has
+    made the batch dimension symbolic, a third compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
+    eng = _engine("noisy", copy.deepcopy(tiny_llama))
+    rules = [AcceptanceRule(), AcceptanceRule(SamplingConfig(temperature=0.8))]
+    form = rules[1].form
+    graphs = []
+    for b in (2, 3, 5):
+        outs = []
+        for fn in (run_round, compiled_round(True)):
+            session = make_session(tree=cfg, engine=eng, rule=rules[1], batch=b)
+            session.allocate(256)
+            ps = [random_prompt(i, 128, 5 + 3 * i, 5 + 3 * i) for i in range(b)]
+            session.start_rows(list(range(b)), ps, [rules[i % 2] for i in range(b)], list(range(b)))
+            outs.append(torch.stack([fn(session.target, session.drafter, session.state, cfg, form) for _ in range(4)]))
+        assert torch.equal(outs[0], outs[1]), b
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[1]  # batch 5 reused the symbolic-batch compilation of batch 3
+
+
+@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("backend,draft_vocab", [("sdpa", 0), ("flex", 0), ("sdpa", 64)])
 def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab):

@@ -169,12 +169,13 @@ class CompiledSession(Session):
     def prompt_slots(self, prompt_len: int) -> int:
         return prefill_bucket(prompt_len)
 
-    def _prefill(self, prompt_ids):
+    def _prefill(self, pre, prompts):
+        (prompt_ids,) = prompts
         n = prompt_ids.shape[0]
         ids = torch.zeros(1, prefill_bucket(n), dtype=torch.long, device=prompt_ids.device)
         ids[0, :n] = prompt_ids
-        st = self.one_state
-        return compiled_prefill()(self.one_target, self.one_drafter, ids, torch.tensor([n], device=ids.device),
+        st = pre.state
+        return compiled_prefill()(pre.target, pre.drafter, ids, torch.tensor([n], device=ids.device),
                                   self.form.exact(), st.values, st.rng)
 
     def launch(self):

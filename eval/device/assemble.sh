@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reassemble a model/data bundle copied to a GPU host in pieces (a host without network access whose
 # transfers are limited to 64 MiB each; see docs/gpu-host.md). Each command brings one piece as
-# .carry/part_XX; this moves it to $STORE. When all $PARTS pieces are there, it checks the bundle's
+# .carry/part_XX (or .carryN/part_XX); this moves it to $STORE. When all $PARTS pieces are there, it checks the bundle's
 # sha256, unpacks it, installs the copied wheels (--no-deps: no network there) and converts the default
 # model into $FSD_EAGLE_CACHE.
 # Usage: PARTS=3 SHA=<sha256 of the tar> bash eval/device/assemble.sh
@@ -10,7 +10,7 @@ STORE=${STORE:-/root/carry}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
 mkdir -p "$STORE"
-if compgen -G ".carry/part_*" > /dev/null; then mv .carry/part_* "$STORE/"; fi
+if compgen -G ".carry*/part_*" > /dev/null; then mv .carry*/part_* "$STORE/"; fi
 if [ ! -f "$STORE/.unpacked" ]; then
   have=$(find "$STORE" -name 'part_*' | wc -l)
   echo "pieces here: $have of $PARTS"

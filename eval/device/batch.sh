@@ -10,7 +10,9 @@
 # every row; a run that died is restarted with --resume and keeps its finished rows. RESUME_FROM=<file> seeds
 # a fresh host with a result file brought back from an earlier one (it must travel with the tree).
 # Default options: --device cuda --dtype bfloat16 --compile --hf-limit 16 (all batch sizes, methods, prompts);
-# options given here are appended (a later option wins).
+# options given here are appended (a later option wins). TUNE=4,8,16,32,64 first runs the tree tuner for those
+# batch buckets (python -m trees.tune --compile, written into the copy's fsd_eagle/presets.json, which the
+# benchmark then uses and which is copied to $OUT), once: a restarted run keeps the tuned presets.
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -24,11 +26,18 @@ running() { [ -f "$RES/pid" ] && kill -0 "$(cat "$RES/pid")" 2> /dev/null; }
 if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
   rm -rf "$RES/code" "$RES/rc"
   mkdir -p "$RES/code"
-  tar --exclude=./.git --exclude=./.carry -cf - . | tar -xf - -C "$RES/code"
-  # bash -c records its own pid (alive while the benchmark runs) and the benchmark's exit status.
-  (cd "$RES/code" && PYTHONPATH="$RES/code" setsid nohup bash -c 'echo $$ > "$0/pid"; python3 -m eval batch \
-      --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume --output "$0/gpu_batch.json" \
-      ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' "$RES" "$@" > /dev/null 2>&1 &)
+  tar --exclude=./.git --exclude='./.carry*' -cf - . | tar -xf - -C "$RES/code"
+  if [ -f "$RES/presets.json" ]; then cp "$RES/presets.json" "$RES/code/fsd_eagle/presets.json"; fi
+  # bash -c records its own pid (alive while the run goes on) and the exit status of the tuner or benchmark.
+  (cd "$RES/code" && PYTHONPATH="$RES/code" TUNE="${TUNE:-}" setsid nohup bash -c 'echo $$ > "$0/pid";
+      if [ -n "$TUNE" ] && [ ! -f "$0/presets.json" ]; then
+        python3 -m trees.tune --device cuda --dtype bfloat16 --compile --batch-sizes "$TUNE" \
+            --out fsd_eagle/presets.json >> "$0/log" 2>&1 || { echo $? > "$0/rc"; exit; }
+        cp fsd_eagle/presets.json "$0/presets.json"
+      fi
+      python3 -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume \
+          --output "$0/gpu_batch.json" ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' \
+      "$RES" "$@" > /dev/null 2>&1 &)
   sleep 2
 fi
 for _ in $(seq "$WAIT"); do running || break; sleep 1; done
@@ -40,5 +49,5 @@ fi
 tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
-  cp "$RES/gpu_batch.json" "$OUT/" 2> /dev/null || true
+  cp "$RES/gpu_batch.json" "$RES/presets.json" "$OUT/" 2> /dev/null || true
 fi

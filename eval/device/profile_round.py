@@ -103,7 +103,7 @@ def main() -> None:
                 taus.append(s.tau)
             session = gen.session(autoregressive=ar)  # the one generate() uses
             gen.generate(prompts[0], 1, autoregressive=ar)  # fresh state: replays below decode after a prefill
-            prefills = {size: entry[3] for size, entry in session.prefills.items()}
+            prefills = {f"{rows}x{size}": entry[3] for (rows, size), entry in session.prefills.items()}
             row = {"backend": backend, "method": name, "warmup_s": round(warm, 1), "tokens_per_s": round(tokens / secs, 1),
                    "tau": round(statistics.mean(taus), 3), "call_ms": round(statistics.mean(calls), 2),
                    "prefill_ms": round(statistics.mean(prefill), 2),

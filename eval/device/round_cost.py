@@ -1,0 +1,94 @@
+"""Per-round GPU cost of batched decoding on a random-weight target of the default model's shape, with the
+shipped head (round costs do not depend on the weights; tau does, so none is reported). For each batch size
+and tree: the wall seconds of the first call (compilation and capture), GPU ms per replayed round, and the
+kernels of one round by GPU time. Needs no model download:
+
+    python eval/device/round_cost.py --batches 1,8 --trees ar,64/6/8/v16384,32/5/8/v16384 --out $OUT/cost.json
+
+Batch sessions compile their rounds with a symbolic batch size (fsd_eagle.decode.compiled_round), so after
+two batch sizes the others start without compiling.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from eval.device.profile_round import kernel_table, replay_ms  # noqa: E402
+from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
+from fsd_eagle.config import TreeConfig  # noqa: E402
+from fsd_eagle.models import load_head  # noqa: E402
+
+# SmolLM2-135M-Instruct's shape (its config.json)
+SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+             rms_norm_eps=1e-5, rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+HEAD = Path(__file__).resolve().parents[2] / "fsd_eagle" / "heads" / "SmolLM2-135M-Instruct"
+
+
+class NoText:
+    """Stands in for a tokenizer: prompts are token ids here, and no text is wanted back."""
+
+    eos_token_id = None
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""
+
+
+def random_generator(dtype: torch.dtype) -> SpeculativeGenerator:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPE)
+    model = transformers.LlamaForCausalLM(config).to("cuda", dtype).eval()
+    head = load_head(HEAD, config, torch.device("cuda"), dtype)
+    gen = SpeculativeGenerator(model, NoText(), head)
+    gen.configure(compile=True)
+    return gen
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--trees", default="ar,64/6/8/v16384")
+    p.add_argument("--prompt-len", type=int, default=120)
+    p.add_argument("--kernels", type=int, default=20, help="kernels listed per round (0: no table)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    gen = random_generator(torch.bfloat16)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "command": "python " + " ".join(sys.argv), "rows": []}
+    for b in (int(x) for x in a.batches.split(",")):
+        prompts = [torch.randint(10, 49000, (a.prompt_len + 7 * i,)).tolist() for i in range(b)]
+        for name in a.trees.split(","):
+            ar = name == "ar"
+            if not ar:
+                t = TreeConfig.parse(name)
+                gen.set_tree(t.total_tokens, t.depth, t.top_k, t.draft_vocab)
+            start = time.perf_counter()
+            gen.generate(prompts, max_new_tokens=16, batch_size=b, autoregressive=ar)
+            first = time.perf_counter() - start
+            session = gen.session(autoregressive=ar, batch=b)
+            gen.generate(prompts, max_new_tokens=2, batch_size=b, autoregressive=ar)  # rows decoding again
+            row = {"batch": b, "tree": name, "mode": session.mode, "first_call_s": round(first, 1),
+                   "replay_ms": round(replay_ms(session.graph[0]), 3) if session.graph else None}
+            if a.kernels and session.graph:
+                row["kernels"] = kernel_table(session, top=a.kernels)
+            out["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+            Path(a.out).write_text(json.dumps(out, indent=1))
+        gen.release()
+    try:
+        out["compile_times"] = torch._dynamo.utils.compile_times(repr="str")
+    except (AttributeError, TypeError) as e:
+        out["compile_times"] = f"unavailable: {e}"
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(out["compile_times"])
+
+
+if __name__ == "__main__":
+    main()
