@@ -461,11 +461,7 @@ def main(argv: list[str] | None = None) -> int:
 def _reports() -> bool:
     """Whether this process prints errors: rank 0 of a tensor-parallel launch (every rank meets the same
     bad input), or any process outside one."""
-    if "torch" not in sys.modules:  # torch not loaded yet: no process group
-        return True
-    from .parallel import is_main_rank
-
-    return is_main_rank()
+    return os.environ.get("RANK", "0") in ("", "0")  # torchrun's rank of this process
 
 
 def _parser() -> argparse.ArgumentParser:
