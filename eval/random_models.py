@@ -85,7 +85,7 @@ def write_target_folder(config, folder: str | Path, dtype: torch.dtype = torch.b
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     config.torch_dtype = str(dtype).replace("torch.", "")
     config.save_pretrained(folder)
@@ -95,9 +95,10 @@ def write_target_folder(config, folder: str | Path, dtype: torch.dtype = torch.b
 
 
 def write_sparse_shards(folder: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                        shard_bytes: int = SHARD_BYTES) -> None:
+                        shard_bytes: int | None = None) -> None:
     """Zero tensors as transformers' sharded layout: ``model-0000i-of-0000n.safetensors`` files of at most
     about ``shard_bytes`` each (small mappings for every reader) and ``model.safetensors.index.json``."""
+    shard_bytes = shard_bytes or SHARD_BYTES
     size = torch.empty((), dtype=dtype).element_size()
     groups: list[dict] = [{}]
     used = 0
@@ -128,7 +129,7 @@ def write_head_folder(target: str | Path, folder: str | Path, dtype: torch.dtype
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = HeadConfig.for_target(AutoConfig.from_pretrained(target).get_text_config())
+    cfg = HeadConfig.for_target(AutoConfig.from_pretrained(target, trust_remote_code=False).get_text_config())
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in EagleHead(cfg).state_dict().items()}
     write_sparse_safetensors(folder / "model.safetensors", shapes, dtype)

@@ -82,7 +82,7 @@ def tiny_folders(work: Path) -> dict[str, tuple[Path, Path]]:
         for arch, config in configs.items():
             target, head = out[arch]
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config).float()
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False).float()
             with torch.no_grad():
                 for param in model.parameters():
                     if param.dim() == 1:
