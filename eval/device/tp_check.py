@@ -30,7 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from eval.random_models import SHAPES, prompt_ids, randomize, write_head_folder, write_target_folder  # noqa: E402
+from eval.random_models import (SHAPES, prompt_ids, randomize, write_head_folder, write_ids_tokenizer,  # noqa: E402
+                                write_target_folder)
 from fsd_eagle import parallel  # noqa: E402
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.config import TreeConfig  # noqa: E402
@@ -77,8 +78,6 @@ def tiny_folders(work: Path) -> dict[str, tuple[Path, Path]]:
     configs = {"llama": LlamaConfig(**common), "qwen3": Qwen3Config(**common, head_dim=32)}
     out = {arch: (work / f"tiny-{arch}", work / f"tiny-{arch}-head") for arch in configs}
     if parallel.is_main_rank():
-        from eval.random_models import write_ids_tokenizer
-
         for arch, config in configs.items():
             target, head = out[arch]
             torch.manual_seed(0)
