@@ -10,7 +10,9 @@ random-weight Llama-3-8B-shaped target's per-round cost.
 
 Rows: ``method`` (hf_generate, ar, eagle2, fsd), ``divergence`` / ``threshold`` (FSD), ``backend`` (hf, eager,
 graph, compiled), ``temperature`` / ``top_p``, ``tokens_per_s``, ``tau``, ``prompts``, ``device``, ``mode`` and
-``attention`` (how the rounds really ran), and ``name``, a unique label.
+``attention`` (how the rounds really ran), ``ms_per_round`` (a call's time over its target forwards, prefill
+included), and ``name``, a unique label. ``--tp N`` under ``torchrun --nproc-per-node N`` shards the target
+over N GPUs (our rows only; rank 0 writes).
 """
 
 from __future__ import annotations
@@ -97,10 +99,13 @@ def bench_method(gen, prompts, max_new_tokens: int, repeats: int, seeds: dict | 
         return r.stats.new_tokens, r
 
     runs, results = timed_runs(run_one, prompts, repeats, dev)
-    tau = sum(r.stats.new_tokens for r in results) / sum(r.stats.target_forwards for r in results)
+    forwards = sum(r.stats.target_forwards for r in results)
+    tau = sum(r.stats.new_tokens for r in results) / forwards
     # time to the first token: the prefill (and, with graphs, the first round launched behind it)
     ttft_ms = 1000 * statistics.mean(r.stats.prefill_s for r in results)
+    ms_per_round = 1000 * sum(r.stats.elapsed_s for r in results) / forwards  # prefills included
     return {**_summary(runs, dev), "tau": tau, "warmup_s": round(warmup_s, 2), "ttft_ms": round(ttft_ms, 2),
+            "ms_per_round": round(ms_per_round, 3),
             "mode": results[-1].stats.mode, "attention": results[-1].stats.attention,
             "outputs": [r.token_ids for r in results]}
 
@@ -339,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
     add_tree_arguments(p)
     p.add_argument("--skip-8b", action="store_true")
+    p.add_argument("--tp", type=int, default=1,
+                   help="shard the target over N GPUs (launch with torchrun --nproc-per-node N; rank 0 writes); "
+                        "no HF generate row, stage breakdown, peak memory or 8B-shape rows then "
+                        "(eval/device/tp_check.py measures tensor-parallel shapes)")
     p.add_argument("--compile", action="store_true", help="also measure rounds compiled with torch.compile")
     p.add_argument("--eager", action="store_true", help="also measure eager rounds (no CUDA graphs)")
     p.add_argument("--backends", help="comma-separated subset of eager,graph,compiled (default: graph plus the "
@@ -353,12 +362,21 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     temperatures = parse_floats(a.temperatures, "--temperatures")
     fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
-    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads)
+    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads,
+                                    tp_size=a.tp)
+    from fsd_eagle.parallel import is_main_rank
+
+    if a.tp > 1:  # the rounds alone: every rank runs them, rank 0 reports
+        a.rows_only = True
+        a.methods = ",".join(m for m in a.methods.split(",") if m != "hf")
+    if not is_main_rank():
+        a.out = os.devnull
+        sys.stdout = open(os.devnull, "w")
     tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab)
     dev = gen.target.device
     prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
     rows, outputs = [], {}
-    partial = Path(a.out).with_suffix(".partial.json")
+    partial = Path(a.out).with_suffix(".partial.json") if a.out != os.devnull else Path(os.devnull)
     partial.parent.mkdir(parents=True, exist_ok=True)
     methods = a.methods.split(",")
     if "hf" in methods:
@@ -416,12 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"rows": rows, **extra,
               "meta": {"date": date.today().isoformat(), "device": device_name, "torch": torch.__version__,
                        "transformers": transformers.__version__, "dtype": str(gen.target.dtype).replace("torch.", ""),
-                       "threads": torch.get_num_threads(), "prompts": len(prompts),
+                       "threads": torch.get_num_threads(), "prompts": len(prompts), "tp_size": a.tp,
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if a.out != os.devnull:
+        Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for row in rows:
         print(f"{row['name']:34s} {row['tokens_per_s']:9.1f} tok/s  x{row['speedup_vs_hf']} vs HF  "
               f"x{row['speedup_vs_ar']} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  "

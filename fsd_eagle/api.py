@@ -17,7 +17,8 @@ from .drafter import SlotDrafter
 from .engine import Engine
 from .errors import BusyError, ConfigError, InputError
 from .head import EagleHead, HeadConfig
-from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, resolve_device, resolve_dtype)
+from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, read_target_config, resolve_device,
+                     resolve_dtype)
 from .schedule import Request, Scheduler
 from .session import Plan, Session, session_rows
 from .trees_presets import BUCKETS
@@ -130,7 +131,8 @@ class SpeculativeGenerator:
     @classmethod
     def load(cls, target: str | Path | None = None, head: str | Path | None = None, draft_model: str | Path | None = None,
              device: str | None = None, dtype: str | None = None, tree: TreeConfig | None = None,
-             random_head: bool = False, compile: bool = False, threads: int | None = None) -> "SpeculativeGenerator":
+             random_head: bool = False, compile: bool = False, threads: int | None = None,
+             tp_size: int = 1) -> "SpeculativeGenerator":
         """Load a local target folder (default: SmolLM2-135M-Instruct) with ``head`` (default: the shipped
         head of the default target), or a ``draft_model`` folder; ``random_head`` builds an untrained head.
         ``compile``: on a GPU, compile each round configuration with torch.compile before graph capture
@@ -139,21 +141,33 @@ class SpeculativeGenerator:
         Default on the CPU: the usable cores less one, at most 4, at least 1 (1 on a 2-core machine, where a
         second thread gained nothing when idle and made decoding much slower as soon as anything
         else ran; see ``fsd_eagle.models.default_threads``), unless OMP_NUM_THREADS is set; on a GPU the
-        count is left as it is unless given."""
+        count is left as it is unless given.
+
+        ``tp_size`` N > 1: the target is sharded over N GPUs by transformers' tensor parallelism, in a process
+        per GPU started by ``torchrun --nproc-per-node N`` (each runs this same call, on cuda:LOCAL_RANK); the
+        draft head or draft model is replicated on every rank, every rank runs the same rounds and gets the
+        same results (see fsd_eagle.parallel). ConfigError when N does not divide the target's heads, when
+        the launch has another number of processes, or without NCCL."""
         if head is not None and draft_model is not None:
             raise ConfigError("use either a draft head or a draft model, not both")
+        from . import parallel
         from .models import set_threads
 
-        dev = resolve_device(device)
+        parallel.check_tp_size(tp_size)
+        if tp_size > 1:  # everything that can be refused is refused before the process group starts
+            parallel.check_launch(tp_size)
+            parallel.check_divides(read_target_config(target)[1], tp_size)
+        dev = parallel.start(tp_size, device).device if tp_size > 1 else resolve_device(device)
         set_threads(threads, dev)
         dt = resolve_dtype(dtype, dev)
-        model, tokenizer = load_target(target, dev, dt)
+        model, tokenizer = load_target(target, dev, dt, tp_size)
         head_path = head if head is not None else (default_head_path(DEFAULT_TARGET) if target is None else None)
         head_module = None
         if head_path is not None and draft_model is None:
             head_module = load_head(head_path, model.config.get_text_config(), dev, dt)
         elif random_head or (target is None and draft_model is None):
             head_module = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(dev, dt).eval()
+            parallel.broadcast_module(head_module)  # one random head for every rank
         draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
         gen = cls(model, tokenizer, head_module, draft, tree or TreeConfig())
         gen.configure(compile=compile)

@@ -87,6 +87,9 @@ def _generate_parser(sub) -> None:
                    help="tree attention of rounds (default: flex for compiled GPU rounds, where it pays off; "
                         "else sdpa)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--tp-size", type=int, default=None,
+                   help="shard the target over N GPUs (tensor parallelism; launch with torchrun --nproc-per-node "
+                        "N, which sets the default); rank 0 prints")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -109,6 +112,7 @@ def run_generate(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,
                   autoregressive=args.autoregressive)
+    start_ranks(args)
     if args.input is not None:
         return run_batch(args, kwargs)
     gen = load_generator(args)
@@ -126,6 +130,27 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_ranks(args: argparse.Namespace) -> None:
+    """Under torchrun (or with --tp-size N > 1): check that the launch has --tp-size processes, join its
+    process group, and leave the printing to rank 0 (the other ranks run the same rounds, quietly)."""
+    from . import parallel
+
+    world = parallel.launched_world()
+    if args.tp_size is None:
+        args.tp_size = world or 1
+    parallel.check_tp_size(args.tp_size)
+    if world is not None and world > 1 and args.tp_size != world:
+        raise InputError(f"this launch has {world} processes but --tp-size is {args.tp_size}: they must be equal")
+    if args.tp_size == 1:
+        return
+    if args.input == "-":
+        raise InputError("with --tp-size > 1, --input must be a file (every rank reads it), not stdin")
+    tp = parallel.start(args.tp_size, args.device)
+    if not tp.is_main:
+        args.quiet = True
+        sys.stdout = open(os.devnull, "w")
+
+
 def check_seed(seed, what: str) -> None:
     """A seed torch takes: an integer from -2**63 to 2**64 - 1."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -139,7 +164,8 @@ def load_generator(args: argparse.Namespace):
 
     quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
-                                    device=args.device, dtype=args.dtype, compile=args.compile, threads=args.threads)
+                                    device=args.device, dtype=args.dtype, compile=args.compile, threads=args.threads,
+                                    tp_size=getattr(args, "tp_size", None) or 1)
     gen.set_tree(args.total_tokens, args.depth, args.tree_top_k, args.draft_vocab)
     gen.use_attention(args.attention)
     return gen
@@ -337,10 +363,16 @@ def run_batch(args: argparse.Namespace, kwargs: dict) -> int:
     if args.output is not None and args.input != "-" and os.path.exists(args.output) \
             and os.path.exists(args.input) and os.path.samefile(args.output, args.input):
         raise InputError(f"--output {args.output} is the --input file")
+    from . import parallel
+
     rows = read_prompt_lines(args.input)
-    out = _StdoutResults() if args.output in (None, "-") else ResultsFile(Path(args.output))
+    if not parallel.is_main_rank():  # rank 0 writes; the others decode the same prompts
+        out = _StdoutResults()
+    else:
+        out = _StdoutResults() if args.output in (None, "-") else ResultsFile(Path(args.output))
     try:
-        todo = [r for r in rows if id_key(r.id) not in out.done]
+        done = parallel.share(out.done)
+        todo = [r for r in rows if id_key(r.id) not in done]
         where = "stdout" if isinstance(out, _StdoutResults) else args.output
         if not todo:
             if not args.quiet:
@@ -415,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             return _checkout_module({"train": "training", "bench": "eval"}[argv[0]], argv[1:])
         return run_generate(_parser().parse_args(argv))
     except FSDError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if _reports():
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -423,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _reports() -> bool:
+    """Whether this process prints errors: rank 0 of a tensor-parallel launch (every rank meets the same
+    bad input), or any process outside one."""
+    return os.environ.get("RANK", "0") in ("", "0")  # torchrun's rank of this process
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import parallel
 from .attention import no_cudnn, prepare_mask, whole_blocks
 from .cache import SlotMask
 from .config import TreeConfig
@@ -83,9 +84,9 @@ class SlotDrafter:
         key = (size, self.ranking.data_ptr())
         if key not in self._vocabs:
             ids = self.ranking[:size].sort().values.to(self.lm.device)
-            head = self.lm.lm_head
-            bias = None if head.bias is None else head.bias[ids].contiguous()
-            self._vocabs[key] = (ids, (head.weight[ids].contiguous(), bias))
+            head = self.lm.lm_head  # rows gathered from every rank when tensor-parallel (no collective later)
+            bias = None if head.bias is None else parallel.replicated(head.bias)[ids].contiguous()
+            self._vocabs[key] = (ids, (parallel.replicated(head.weight)[ids].contiguous(), bias))
         self.vocab, self.vocab_lm = self._vocabs[key]
 
     @torch.no_grad()
@@ -199,7 +200,7 @@ class EagleDrafter(SlotDrafter):
         return self.head.fuse(features[..., self.target.hidden_size:].to(self.head.fc.weight.dtype))
 
     def _forward(self, tokens, states, positions, slots, mask, backend=None):
-        embeds = self.target.embed(tokens)
+        embeds = self.target.draft_embed(tokens)
         mask = prepare_mask(mask, backend or self.target.attention, embeds.dtype)
         return self.head(embeds, states.to(embeds.dtype), positions, self.cache, slots, mask)
 

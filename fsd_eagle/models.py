@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import parallel
 from .errors import ConfigError, HeadMismatchError, ModelLoadError
 from .head import RANKING_FILE, EagleHead, HeadConfig, check_fit, default_layers
 
@@ -131,30 +132,53 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     AutoConfig.from_pretrained(out, trust_remote_code=False)  # fail now, not later, if the folder is unusable
 
 
-def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype):
+def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype, tp_size: int = 1):
     """(model, tokenizer) from a local transformers folder, or the default model when path is None.
+
+    ``tp_size`` > 1: sharded over the ranks of this launch by transformers' tensor parallelism (its
+    ``base_model_tp_plan``; the process group must be started, see ``fsd_eagle.parallel.start``), each rank
+    reading only its share of the weights onto its own device; a ConfigError first when ``tp_size`` does not
+    divide the heads or the vocabulary.
 
     Nothing in the folder is trusted further than transformers' own model classes: a folder that asks to run
     its own code (``auto_map``) is refused, and so are weights that do not match what config.json describes
     (missing or unexpected tensors, other shapes; tied embeddings are fine), before the model is built where
     the safetensors headers tell, otherwise from transformers' loading report."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, config = read_target_config(path)
+    try:
+        check_target_weights(folder, config)
+        sharding = {}
+        if tp_size > 1:
+            parallel.check_divides(config, tp_size)
+            sharding = {"distributed_config": parallel.distributed_config(tp_size)}
+        model, info = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, attn_implementation="sdpa",
+                                                           trust_remote_code=False, output_loading_info=True,
+                                                           **sharding)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        raise ModelLoadError(f"cannot load the model at {folder}: {_first_line(e)}") from None
+    _check_loading_info(folder, info)
+    return (model if tp_size > 1 else model.to(device)).eval(), tokenizer
+
+
+def read_target_config(path: str | Path | None):
+    """(folder, config) of a local target folder (the default model's when path is None), refusing folders
+    that ask to run their own code; ModelLoadError (one line) when there is no usable config."""
+    from transformers import AutoConfig
 
     folder = default_target_path() if path is None else Path(path)
     if not folder.is_dir() or not (folder / "config.json").exists():
         raise ModelLoadError(f"no model at {folder}: expected a folder with config.json and weights")
     refuse_custom_code(folder)
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-        check_target_weights(folder, config)
-        model, info = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, attn_implementation="sdpa",
-                                                           trust_remote_code=False, output_loading_info=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        return folder, AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ModelLoadError(f"cannot load the model at {folder}: {_first_line(e)}") from None
-    _check_loading_info(folder, info)
-    return model.to(device).eval(), tokenizer
 
 
 def _first_line(error: BaseException) -> str:

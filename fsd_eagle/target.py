@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention
+from . import attention, parallel
 from .cache import SlotCache, SlotMask
 from .errors import ConfigError, HeadMismatchError
 
@@ -30,16 +30,22 @@ class Target:
     states the features carry after f; empty unless an EAGLE-3 drafter asks, ``capture``). A Target is the
     model bound to one cache: every session makes its own over the shared weights.
 
+    A tensor-parallel model (fsd_eagle.parallel) runs as transformers sharded it: each rank's attention sees
+    its ``tp_size``-th of the heads, so the cache holds that share of the key-value heads. ``draft_embed``
+    is the embedding a drafter reads (default: the model's; a replicated copy of a sharded one).
+
     Features ``[B, n, h * (1 + m)]``, m = len(feature_layers): f, then the m captured states in order.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, draft_embed: nn.Module | None = None) -> None:
         self.model = model.eval()
         config = model.config
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.lm_head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()
+        self.draft_embed = draft_embed if draft_embed is not None else self.embed
+        self.tp_size = parallel.tp_size_of(model)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.lm_head.weight.shape[0])
         param = next(model.parameters())
@@ -84,7 +90,9 @@ class Target:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        """Key-value heads of this rank's attention (all of them unless tensor-parallel)."""
+        heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        return heads // self.tp_size
 
     @property
     def head_dim(self) -> int:

@@ -126,7 +126,7 @@ def test_load_uses_the_preset_unless_a_tree_is_given(tmp_path, monkeypatch, tiny
     import fsd_eagle.api as api
 
     model = named_model(tiny_llama, str(tmp_path / "tiny-x"))
-    monkeypatch.setattr(api, "load_target", lambda path, device, dtype: (model, WordTokenizer()))
+    monkeypatch.setattr(api, "load_target", lambda path, device, dtype, tp_size=1: (model, WordTokenizer()))
     monkeypatch.setattr(trees_presets, "PRESETS", write(tmp_path, TABLE))
     assert SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu").tree == TreeConfig(8, 3, 2)
     given = TreeConfig(6, 2, 3)

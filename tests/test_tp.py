@@ -1,0 +1,237 @@
+"""Tensor-parallel targets (fsd_eagle.parallel): tiny random Llama and Qwen3 targets sharded over two CPU
+processes by transformers' tensor parallelism (gloo) decode exactly what they decode unsharded (fp32,
+greedy): plain decoding, EAGLE-2 with a random head, a draft model, and a batch of prompts. Then the
+one-line errors: a tp_size that does not divide the heads, a launch of another size, no torchrun, no NCCL.
+
+The GPU version (NCCL, CUDA graphs, two GPUs) is eval/device/tp_check.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_api import make_tokenizer  # noqa: E402
+
+from conftest import tiny_model  # noqa: E402
+
+ARCHS = ("llama", "qwen3")
+PROMPTS = (list(range(3, 20)), list(range(40, 49)))
+NEW_TOKENS = 20
+TREE = dict(total_tokens=12, depth=3, top_k=3)
+
+
+def decode_all(folder: Path, head: Path, tp_size: int, device: str = "cpu") -> dict:
+    """Tokens of every case on one target folder: AR, EAGLE-2 (``head``), the target drafting for itself
+    (a draft model: long accepted paths), and both prompts decoded together (EAGLE-2)."""
+    from fsd_eagle.api import SpeculativeGenerator
+    from fsd_eagle.config import TreeConfig
+
+    out = {}
+    for name, kwargs in (("head", dict(head=head)), ("draft_model", dict(draft_model=folder))):
+        gen = SpeculativeGenerator.load(folder, device=device, dtype="float32", tree=TreeConfig(**TREE),
+                                        tp_size=tp_size, **kwargs)
+        if name == "head":
+            out["ar"] = gen.generate(PROMPTS[0], NEW_TOKENS, autoregressive=True, chat=False).token_ids
+            out["batch"] = [r.token_ids for r in gen.generate([list(p) for p in PROMPTS], NEW_TOKENS, chat=False)]
+        r = gen.generate(PROMPTS[0], NEW_TOKENS, chat=False)
+        out[name] = r.token_ids
+        out[f"{name}_tau"] = r.stats.tau
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, folders: dict, queue) -> None:
+    """One rank: every arch's cases with tp_size = world; (rank, results or the error) into ``queue``."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from fsd_eagle.cli import quiet_transformers
+
+    quiet_transformers()
+    try:
+        results = {arch: decode_all(target, head, world) for arch, (target, head) in folders.items()}
+        queue.put((rank, results))
+    except Exception:  # noqa: BLE001 (reported to the test, which fails with it)
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, folders: dict, timeout_s: float = 120.0) -> dict[int, object]:
+    """Start ``world`` CPU processes (spawned, gloo) running ``_rank_main``; their results by rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, folders, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(queue.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict:
+    """Per arch: a tiny random target folder (weights + tokenizer) and a random head folder for it."""
+    from fsd_eagle.head import EagleHead, HeadConfig
+    from fsd_eagle.models import save_head
+
+    root = tmp_path_factory.mktemp("tp")
+    out = {}
+    for arch in ARCHS:
+        model = tiny_model(arch, vocab_size=128)
+        target, head = root / arch, root / f"{arch}-head"
+        model.save_pretrained(target)
+        make_tokenizer().save_pretrained(target)
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            save_head(EagleHead(HeadConfig.for_target(model.config)), head, dtype=torch.float32)
+        out[arch] = (target, head)
+    return out
+
+
+def gloo_tensor_parallel() -> str | None:
+    """Why tensor parallelism cannot run on this machine's CPU (None when it can)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "torch.distributed with gloo is not available"
+    if torch.cuda.is_available():
+        return "transformers shards onto the GPUs here (see eval/device/tp_check.py)"
+    try:
+        from transformers.distributed import DistributedConfig  # noqa: F401
+    except ImportError:
+        return "this transformers has no DistributedConfig"
+    return None
+
+
+@pytest.mark.skipif(gloo_tensor_parallel() is not None, reason=str(gloo_tensor_parallel()))
+def test_two_ranks_decode_what_one_decodes(folders):
+    from fsd_eagle.cli import quiet_transformers
+
+    quiet_transformers()
+    reference = {arch: decode_all(target, head, 1) for arch, (target, head) in folders.items()}
+    ranks = run_ranks(2, folders)
+    for rank, got in sorted(ranks.items()):
+        assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
+        for arch in ARCHS:
+            ref, tp = reference[arch], got[arch]
+            for case in ("ar", "head", "draft_model", "batch"):
+                assert tp[case] == ref[case], f"{arch} {case} rank {rank}: {tp[case]} != {ref[case]}"
+            assert len(ref["ar"]) == NEW_TOKENS
+            assert tp["draft_model_tau"] == ref["draft_model_tau"] > 2  # long accepted paths were committed
+            assert tp["head_tau"] == ref["head_tau"]
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def _launch_env(monkeypatch, world: int, rank: int = 0) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+
+
+def _no_launch_env(monkeypatch) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_tp_size_must_divide_heads(folders, monkeypatch):
+    from fsd_eagle.api import SpeculativeGenerator
+    from fsd_eagle.errors import ConfigError
+
+    _launch_env(monkeypatch, 3)
+    with pytest.raises(ConfigError, match="tp_size 3 does not divide the model's 4 attention heads"):
+        SpeculativeGenerator.load(folders["llama"][0], device="cpu", tp_size=3)
+    _launch_env(monkeypatch, 4)
+    with pytest.raises(ConfigError, match="tp_size 4 does not divide the model's 2 key-value heads"):
+        SpeculativeGenerator.load(folders["llama"][0], device="cpu", tp_size=4)
+
+
+def test_launch_must_match_tp_size(folders, monkeypatch):
+    from fsd_eagle.api import SpeculativeGenerator
+    from fsd_eagle.errors import ConfigError
+
+    _no_launch_env(monkeypatch)
+    with pytest.raises(ConfigError, match="launch with torchrun --nproc-per-node 2"):
+        SpeculativeGenerator.load(folders["llama"][0], device="cpu", tp_size=2)
+    _launch_env(monkeypatch, 4)
+    with pytest.raises(ConfigError, match="this launch has 4 processes .* but tp_size is 2"):
+        SpeculativeGenerator.load(folders["llama"][0], device="cpu", tp_size=2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="tp_size must be an integer >= 1"):
+            SpeculativeGenerator.load(folders["llama"][0], device="cpu", tp_size=bad)
+
+
+def test_backend_without_nccl(monkeypatch):
+    import torch.distributed as dist
+
+    from fsd_eagle import parallel
+    from fsd_eagle.errors import ConfigError
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(ConfigError, match="tensor parallelism on GPUs needs the NCCL backend"):
+        parallel.check_backend("nccl")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            parallel.rank_device("cuda", 0)
+
+
+def test_device_index_must_be_the_local_rank(monkeypatch):
+    from fsd_eagle import parallel
+    from fsd_eagle.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="each process uses cuda:LOCAL_RANK"):
+        parallel.rank_device("cuda:1", 0)
+    with pytest.raises(ConfigError, match="use device cuda, not cpu"):
+        parallel.rank_device("cpu", 0)
+
+
+def test_cli_errors(folders, monkeypatch, capsys):
+    from fsd_eagle.cli import main
+
+    target = str(folders["llama"][0])
+    _no_launch_env(monkeypatch)
+    assert main(["generate", "hi", "--target", target, "--tp-size", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: tp_size 2 needs one process per GPU"), err
+    _launch_env(monkeypatch, 2)
+    assert main(["generate", "hi", "--target", target, "--tp-size", "3", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: this launch has 2 processes but --tp-size is 3: they must be equal"], err
+    assert main(["generate", "--input", "-", "--target", target, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--input must be a file" in err[0], err
+
+
+def test_unsharded_target_keeps_every_head(folders):
+    from fsd_eagle.models import load_target
+    from fsd_eagle.parallel import tp_size_of
+    from fsd_eagle.target import Target
+
+    model, _ = load_target(folders["qwen3"][0], torch.device("cpu"), torch.float32)
+    assert tp_size_of(model) == 1 and Target(model).num_kv_heads == 2
