@@ -18,6 +18,9 @@ RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
+# One compile job id for the tuner and the benchmark: dynamo's profile of which dimensions turned out dynamic
+# (the batch size, the tree size) is then shared, so the benchmark compiles symbolic shapes at once.
+export TORCH_COMPILE_JOB_ID=${TORCH_COMPILE_JOB_ID:-fsd-eagle-batch}
 bash eval/device/assemble.sh
 [ -f "${STORE:-/root/carry}/.unpacked" ] || exit 0  # more pieces to come
 mkdir -p "$RES"
