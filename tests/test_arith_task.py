@@ -114,3 +114,25 @@ def test_speed_benchmark_prompts():
     assert load_prompts("gsm8k", 2)[0].endswith(GSM8K_INSTRUCTION)
     assert load_prompts("arith", 3) == [f"{p.question}\n\n{GSM8K_INSTRUCTION}" for p in arith_problems("test", 3)]
     assert len(load_prompts("mt_bench", 4)) == 4
+
+
+def test_draft_model_sweep_batched_and_sampling(folders, tmp_path, capsys):
+    """The classic-SD rows: a draft LM built from the target's first layer drafts a chain of 5 (batched,
+    sampling), with FSD reverse KL beside exact SD, on the same questions."""
+    from training.__main__ import main as training_main
+
+    assert training_main(["draft-model", "--target", str(folders / "target"), "--layers", "1", "--out",
+                          str(tmp_path / "draft"), "--device", "cpu"]) == 0
+    out = tmp_path / "sd"
+    assert eval_main(["sweep", "--target", str(folders / "target"), "--draft-model", str(tmp_path / "draft" / "model"),
+                      "--device", "cpu", "--dtype", "float32", "--out", str(out), "--no-progress", "--threads", "1",
+                      "--total-tokens", "6", "--depth", "5", "--tree-top-k", "1", "--tasks", "arith", "--limit", "3",
+                      "--methods", "ar", "eagle2", "fsd", "--divergences", "reverse_kl", "--thresholds",
+                      "reverse_kl:1", "--max-new-tokens", "8", "--batch-size", "2", "--temperature", "0.7"]) == 0
+    capsys.readouterr()
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["draft_model"].endswith("model") and settings["tree"] == {"total_tokens": 6, "depth": 5,
+                                                                              "top_k": 1}
+    rows = {r["config"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"ar", "eagle2", "fsd-reverse_kl-1"} and all(r["n"] == {"arith": 3} for r in rows.values())
+    assert rows["eagle2"]["tau"] >= 1.0

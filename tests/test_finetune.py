@@ -17,7 +17,7 @@ from fsd_eagle.models import load_target
 from test_training import byte_tokenizer
 from training.__main__ import main
 from training.data import Conversation, iter_arith_train, write_conversations
-from training.draft_model import build_draft_model, kl_loss
+from training.draft_model import build_draft_model, make_kl_loss
 from training.features import collate
 from training.lm_recipe import LMRecipe
 from training.lm_train import tokenize_answers
@@ -169,7 +169,7 @@ def test_distillation_lowers_the_kl_and_resumes(setup, tmp_path, capsys):
 
     examples = [tokenize_answers(tok, c.messages, 160, frozenset([2])) for c in read_conversations(setup["data"])]
     ids, attn, mask = collate(examples, list(range(8)), torch.device("cpu"))
-    loss = kl_loss(target)
+    loss = make_kl_loss(target)
 
     def kl_of(folder: Path) -> float:
         draft, _ = load_target(str(folder), torch.device("cpu"), torch.float32)

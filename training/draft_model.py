@@ -21,15 +21,15 @@ import torch
 
 from fsd_eagle.errors import ConfigError, FSDError, InputError
 
-from .lm_recipe import LMRecipe, lm_field_problem
-from .lm_train import (check_resumable, eos_ids_of, export_model, split_validation, tokenize_answers, train_lm,
-                       train_seconds)
+from .lm_recipe import LMRecipe, find_field_problem
+from .lm_train import (check_resumable, find_eos_ids, export_model, split_validation, tokenize_answers, train_lm,
+                       read_train_seconds)
 
 MODEL_DIR = "model"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def truncated_config(config, layers: int):
+def truncate_config(config, layers: int):
     """A copy of a causal LM's config with its first ``layers`` decoder layers (per-layer lists such as
     ``layer_types`` cut to match)."""
     total = config.num_hidden_layers
@@ -50,7 +50,7 @@ def build_draft_model(target: torch.nn.Module, layers: int) -> torch.nn.Module:
     config = target.config
     if config.get_text_config() is not config:
         raise ConfigError("draft-model builds from a text-only causal LM (this target's config nests a text config)")
-    small = truncated_config(config, layers)
+    small = truncate_config(config, layers)
     device, dtype = next(target.parameters()).device, next(target.parameters()).dtype
     draft = type(target)(small).to(device, dtype)
     state = {k: v for k, v in target.state_dict().items()
@@ -64,7 +64,7 @@ def build_draft_model(target: torch.nn.Module, layers: int) -> torch.nn.Module:
     return draft.eval()
 
 
-def kl_loss(target: torch.nn.Module):
+def make_kl_loss(target: torch.nn.Module):
     """The distillation loss over answer tokens: KL(p_target || q_draft) of the next-token distributions
     (temperature 1, float32), mean per token; also the share of tokens whose top token both agree on."""
 
@@ -81,7 +81,7 @@ def kl_loss(target: torch.nn.Module):
     return loss_fn
 
 
-def model_card(target: str, layers: int, total: int, recipe: LMRecipe | None, log: list) -> str:
+def describe_model(target: str, layers: int, total: int, recipe: LMRecipe | None, log: list) -> str:
     """The exported folder's README: what the draft model is and how it was made."""
     made = (f"then distilled with `python -m training draft-model` (training/draft_model.py): KL(target || draft) "
             f"at the answer tokens of {', '.join(recipe.data)}, recipe in `recipe.json`, log in `training.json` "
@@ -93,13 +93,13 @@ def model_card(target: str, layers: int, total: int, recipe: LMRecipe | None, lo
             "(a chain of gamma = 5 draft tokens per round).\n")
 
 
-def distill_recipe(args: argparse.Namespace) -> LMRecipe | None:
+def load_distill_recipe(args: argparse.Namespace) -> LMRecipe | None:
     """The distillation recipe (file, or the defaults) with the command line over it; None without data."""
     recipe = LMRecipe.load(args.recipe) if args.recipe else LMRecipe()
     if args.data:
         recipe.data = list(args.data)
     if args.max_steps is not None:
-        problem = lm_field_problem("max_steps", args.max_steps)
+        problem = find_field_problem("max_steps", args.max_steps)
         if problem:
             raise InputError(f"--max-steps {problem}")
         recipe.max_steps = args.max_steps
@@ -115,8 +115,10 @@ def run_draft_model(args: argparse.Namespace) -> int:
     from .data import read_conversations
     from .finetune import check_out, note
 
-    recipe = distill_recipe(args)
+    recipe = load_distill_recipe(args)
     check_threads(args.threads)
+    if args.stop_after is not None and not args.stop_after >= 0:
+        raise InputError(f"--stop-after must be seconds >= 0, got {args.stop_after}")
     out = Path(args.out)
     check_out(out, args.resume, args.overwrite)
     convs = [c for path in recipe.data for c in read_conversations(Path(path))] if recipe else []
@@ -138,7 +140,7 @@ def run_draft_model(args: argparse.Namespace) -> int:
     if recipe:
         for p in target.parameters():
             p.requires_grad_(False)
-        eos = eos_ids_of(target, tokenizer)
+        eos = find_eos_ids(target, tokenizer)
         train_convs, val_convs = split_validation(convs, recipe.val_fraction)
         examples = [e for e in (tokenize_answers(tokenizer, c.messages, recipe.max_len, eos) for c in train_convs) if e]
         val = [e for e in (tokenize_answers(tokenizer, c.messages, recipe.max_len, eos) for c in val_convs) if e]
@@ -148,16 +150,16 @@ def run_draft_model(args: argparse.Namespace) -> int:
         if not args.resume or args.overwrite:
             shutil.rmtree(out / "checkpoint", ignore_errors=True)
         print(json.dumps({"conversations": len(convs), **what, "parameters": params}), flush=True)
-        log, finished = train_lm(draft, examples, val, kl_loss(target), recipe, out, args.resume, what,
+        log, finished = train_lm(draft, examples, val, make_kl_loss(target), recipe, out, args.resume, what,
                                  args.stop_after, note)
         if not finished:
             print(json.dumps({"stopped": True, "checkpoint": str(out / "checkpoint"),
                               "continue": "run the same command with --resume"}))
             return 0
-        what["train_s"] = train_seconds(out)
+        what["train_s"] = read_train_seconds(out)
     saved = recipe or LMRecipe(target=args.target, save_dtype="float32")  # copied weights: kept exactly
     final = export_model(draft, tokenizer, out, MODEL_DIR, saved, log,
-                         model_card(what["target"], args.layers, total, recipe, log), {**what, "parameters": params})
+                         describe_model(what["target"], args.layers, total, recipe, log), {**what, "parameters": params})
     print(json.dumps({"model": str(final), **{k: what[k] for k in ("layers", "train_s") if k in what},
                       "final": log[-1] if log else None}))
     return 0

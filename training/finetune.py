@@ -17,14 +17,14 @@ import torch.nn.functional as F
 
 from fsd_eagle.errors import FSDError, InputError
 
-from .lm_recipe import LMRecipe, lm_field_problem
-from .lm_train import (check_resumable, eos_ids_of, export_model, split_validation, tokenize_answers, train_lm,
-                       train_seconds)
+from .lm_recipe import LMRecipe, find_field_problem
+from .lm_train import (check_resumable, find_eos_ids, export_model, split_validation, tokenize_answers, train_lm,
+                       read_train_seconds)
 
 MODEL_DIR = "model"
 
 
-def answer_loss(model, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def compute_answer_loss(model, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Mean cross-entropy of the answer tokens (``mask``) given everything before them, and the share of
     them the model predicts as its top token (``acc``)."""
     logits = model(input_ids=ids, attention_mask=attn.long()).logits[:, :-1]
@@ -39,7 +39,7 @@ def note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def recipe_of(args: argparse.Namespace) -> LMRecipe:
+def load_recipe(args: argparse.Namespace) -> LMRecipe:
     """The recipe file with the command line's values over it, every value checked before any work."""
     recipe = LMRecipe.load(args.recipe)
     if args.target:
@@ -49,7 +49,7 @@ def recipe_of(args: argparse.Namespace) -> LMRecipe:
     for key in ("epochs", "max_steps"):
         value = getattr(args, key)
         if value is not None:
-            problem = lm_field_problem(key, value)
+            problem = find_field_problem(key, value)
             if problem:
                 raise InputError(f"--{key.replace('_', '-')} {problem}")
             setattr(recipe, key, value)
@@ -68,7 +68,7 @@ def check_out(out: Path, resume: bool, overwrite: bool) -> None:
         raise InputError(f"{out} already holds a run: pass --resume to continue it or --overwrite")
 
 
-def model_card(recipe: LMRecipe, target: str, examples: int, tokens: int, log: list) -> str:
+def describe_model(recipe: LMRecipe, target: str, examples: int, tokens: int, log: list) -> str:
     """The exported folder's README: what it is, how it was made and how to rerun it."""
     last = log[-1] if log else {}
     return (f"# Fine-tuned target\n\nFull fine-tune (every weight; no adapters) of `{target}` with "
@@ -87,7 +87,7 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     from .data import read_conversations
 
-    recipe = recipe_of(args)
+    recipe = load_recipe(args)
     check_threads(args.threads)
     out = Path(args.out)
     check_out(out, args.resume, args.overwrite)
@@ -101,7 +101,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     set_threads(args.threads, device)
     note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}")
     model, tokenizer = load_target(recipe.target, device, torch.float32)  # fp32 master weights
-    eos = eos_ids_of(model, tokenizer)
+    eos = find_eos_ids(model, tokenizer)
     train_convs, val_convs = split_validation(convs, recipe.val_fraction)
     note(f"tokenizing {len(convs)} conversations (chat template, answer-token masks)")
     examples = [e for e in (tokenize_answers(tokenizer, c.messages, recipe.max_len, eos) for c in train_convs) if e]
@@ -115,16 +115,16 @@ def run_finetune(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(json.dumps({"conversations": len(convs), "examples": len(examples), "val_examples": len(val),
                       "answer_tokens": tokens}), flush=True)
-    log, finished = train_lm(model, examples, val, answer_loss, recipe, out, args.resume, what, args.stop_after,
+    log, finished = train_lm(model, examples, val, compute_answer_loss, recipe, out, args.resume, what, args.stop_after,
                              note)
     if not finished:
         print(json.dumps({"stopped": True, "checkpoint": str(out / "checkpoint"),
                           "continue": "run the same command with --resume"}))
         return 0
-    extra = {**what, "train_s": train_seconds(out),
+    extra = {**what, "train_s": read_train_seconds(out),
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     final = export_model(model, tokenizer, out, MODEL_DIR, recipe, log,
-                         model_card(recipe, what["target"], len(examples), tokens, log), extra)
+                         describe_model(recipe, what["target"], len(examples), tokens, log), extra)
     print(json.dumps({"model": str(final), "train_s": extra["train_s"], "final": log[-1] if log else None}))
     return 0
 

@@ -65,7 +65,7 @@ class LMRecipe:
     def validate(self, where: str = "recipe") -> None:
         """Refuse a value a run cannot use, with one line naming ``where`` it comes from."""
         for f in fields(self):
-            problem = lm_field_problem(f.name, getattr(self, f.name))
+            problem = find_field_problem(f.name, getattr(self, f.name))
             if problem:
                 raise InputError(f"{where}: {f.name} {problem}")
 
@@ -81,7 +81,7 @@ FLOATS = {"lr": (0.0, False, None), "min_lr_ratio": (0.0, True, 1.0), "weight_de
           "grad_clip": (0.0, False, None), "val_fraction": (0.0, True, 0.5)}
 
 
-def lm_field_problem(name: str, value) -> str | None:
+def find_field_problem(name: str, value) -> str | None:
     """What is wrong with a recipe value ("must be at least 1, got 0"), or None when it is usable."""
     is_int = isinstance(value, int) and not isinstance(value, bool)
     is_num = isinstance(value, (int, float)) and not isinstance(value, bool)

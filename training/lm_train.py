@@ -58,7 +58,7 @@ def tokenize_answers(tokenizer, messages: list[dict], max_len: int, eos_ids: fro
     return Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
 
 
-def eos_ids_of(model, tokenizer) -> frozenset:
+def find_eos_ids(model, tokenizer) -> frozenset:
     """The token ids that end an answer: the generation config's and the tokenizer's end-of-sequence ids."""
     found = set()
     for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -115,7 +115,7 @@ def save_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimize
     shutil.rmtree(old, ignore_errors=True)
 
 
-def checkpoint_dir(out: Path) -> Path | None:
+def find_checkpoint(out: Path) -> Path | None:
     """The newest complete checkpoint (a kill between the two renames leaves only ``checkpoint.old``)."""
     for name in ("checkpoint", "checkpoint.old"):
         if (out / name / "progress.json").exists():
@@ -142,7 +142,7 @@ def load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimizer
 def check_resumable(out: Path, recipe: LMRecipe, what: dict) -> None:
     """Refuse to resume a checkpoint made with another recipe or other inputs (``what``: e.g. the data's
     size and the target)."""
-    ck = checkpoint_dir(out)
+    ck = find_checkpoint(out)
     if ck is None:
         return
     saved = json.loads((ck / "progress.json").read_text())
@@ -201,7 +201,7 @@ def train_lm(model: torch.nn.Module, examples: list[Example], val: list[Example]
     per_epoch = len(make_batches(examples, recipe.tokens_per_batch, recipe.seed))
     total = per_epoch * recipe.epochs if not recipe.max_steps else min(per_epoch * recipe.epochs, recipe.max_steps)
     step, log, train_s = 0, [], 0.0
-    ck = checkpoint_dir(out) if resume else None
+    ck = find_checkpoint(out) if resume else None
     if ck is not None:
         progress = load_checkpoint(ck, model, opt)
         step, log, train_s = progress["step"], progress["log"], progress["train_s"]
@@ -261,9 +261,9 @@ def train_lm(model: torch.nn.Module, examples: list[Example], val: list[Example]
     return log, True
 
 
-def train_seconds(out: Path) -> float | None:
+def read_train_seconds(out: Path) -> float | None:
     """The training seconds of the run in ``out`` over all its calls, as its last checkpoint counts them."""
-    ck = checkpoint_dir(out)
+    ck = find_checkpoint(out)
     return json.loads((ck / "progress.json").read_text())["train_s"] if ck else None
 
 
