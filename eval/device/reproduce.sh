@@ -40,7 +40,7 @@ tail -n 20 "$RES/log" 2> /dev/null || true
 for f in "$RES"/logs/*.log; do [ -f "$f" ] && echo "== $f" && tail -n 3 "$f"; done
 if [ -n "${OUT:-}" ]; then
   (cd "$RES" && tar czf "$OUT/reproduction_small.tar.gz" --ignore-failed-read log logs done \
-      sweep-*/results.json sweep-*/results.md sweep-*/settings.json sweep-*/runs.jsonl speed-*.json \
+      sweep-*/results.json sweep-*/results.md sweep-*/settings.json sweep-*/runs.jsonl sweep-*/speed.json speed-*.json \
       accuracy/results.json accuracy/results.md finetune/model/recipe.json finetune/model/training.json \
       finetune/model/README.md draft/model/recipe.json draft/model/training.json draft/model/README.md \
       head/head/recipe.json head/head/training_log.json head/head/README.md 2> /dev/null || true)
