@@ -34,7 +34,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .sweep import DEFAULT_DIVERGENCES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_THRESHOLDS, METHODS, TASKS
+    from .sweep import DEFAULT_DIVERGENCES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TASKS, DEFAULT_THRESHOLDS, METHODS, TASKS
 
     from fsd_eagle.cli import OneLineParser
 
@@ -53,11 +53,14 @@ def _parser() -> argparse.ArgumentParser:
                         + " ".join(f"{d}:{','.join(format(t, 'g') for t in ts)}"
                                    for d, ts in DEFAULT_THRESHOLDS.items()))
     p.add_argument("--divergences", nargs="+", default=list(DEFAULT_DIVERGENCES))
-    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=TASKS,
+                   help="default: " + " ".join(DEFAULT_TASKS) + " (arith: the generated arithmetic test problems)")
     p.add_argument("--max-new-tokens", nargs="+", metavar="[TASK=]N",
                    help="token limit, for every task (N) or per task (gsm8k=256); default "
                         + ", ".join(f"{t}={n}" for t, n in DEFAULT_MAX_NEW_TOKENS.items()))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples every question with --seed (EAGLE-2 stays lossless)")
     p.add_argument("--fuzzy-mode", default="hybrid", choices=("hybrid", "pure"))
     p.add_argument("--total-tokens", type=int, help="tree nodes per round (default: the target's preset)")
     p.add_argument("--depth", type=int, help="tree depth (default: the target's preset)")
@@ -106,7 +109,8 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
               limit=parse_limits(a.limits), workers=a.workers,
               max_new_tokens=parse_max_new_tokens(a.max_new_tokens), seed=a.seed, fuzzy_mode=a.fuzzy_mode,
               tree=tree or None, humaneval_timeout_s=a.humaneval_timeout, command=_command_line(argv),
-              progress=not a.no_progress, threads=a.threads, batch_size=a.batch_size)
+              progress=not a.no_progress, threads=a.threads, batch_size=a.batch_size,
+              temperature=a.temperature)
     print((Path(a.out) / "results.md").read_text())
     return 0
 

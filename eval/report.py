@@ -14,7 +14,7 @@ reported too). Row keys:
   ``speed_source`` (where those two figures come from), ``tau`` = total new tokens / total target forwards
   (all questions), ``fuzzy_accepted`` (tokens accepted only by the fuzzy rule) and ``fuzzy_per_token``,
   ``divergence_mean`` (mean D at verified nodes);
-* accuracy: ``gsm8k_acc``, ``mmlu_acc``, ``humaneval_pass1`` (None for a task not run), each with ``*_se``
+* accuracy: ``gsm8k_acc``, ``mmlu_acc``, ``humaneval_pass1``, ``arith_acc`` (None for a task not run), each with ``*_se``
   (binomial standard error), and ``n`` ({task: questions});
 * fidelity: ``agreement`` (mean per-question greedy token agreement with the AR output of the same question,
   :func:`eval.metrics.token_agreement`; over the questions that have an AR record) and ``nll`` (the target's
@@ -47,8 +47,8 @@ from .metrics import token_agreement
 from .runinfo import write_json_atomic
 from .sweep import (RUNS_FILE, TASKS, Config, ResultStore, format_threshold, threshold_from_json)
 
-ACC_KEYS = {"gsm8k": "gsm8k_acc", "mmlu": "mmlu_acc", "humaneval": "humaneval_pass1"}
-TASK_TITLES = {"gsm8k": "GSM8K", "mmlu": "MMLU", "humaneval": "HumanEval pass@1"}
+ACC_KEYS = {"gsm8k": "gsm8k_acc", "mmlu": "mmlu_acc", "humaneval": "humaneval_pass1", "arith": "arith_acc"}
+TASK_TITLES = {"gsm8k": "GSM8K", "mmlu": "MMLU", "humaneval": "HumanEval pass@1", "arith": "Arithmetic"}
 _METHOD_ORDER = {"ar": 0, "eagle2": 1, "fsd": 2}
 SPEEDUP_CLAIM = 1.15  # the paper's question: >= 15% more tokens per second than exact EAGLE-2 ...
 NOISE_Z = 1.96  # ... with an accuracy drop no larger than this many paired standard errors
@@ -166,16 +166,16 @@ def _set_speedups(rows: list[dict], source: str) -> None:
 _SPEED_NAME = re.compile(r"^(?:(?P<plain>ar|eagle2)|fsd_(?P<div>[a-z_]+?)_T(?P<t>[^_]+))(?:_(?P<variant>compiled|graph|eager))?$")
 
 
-def _speed_key(row: dict) -> tuple[str, int] | None:
+def _speed_key(row: dict, temperature: float = 0.0) -> tuple[str, int] | None:
     """(config key, preference) of a speed row, or None for a row that is no sweep config (``hf_generate``).
     Rows are ours (``method`` ar / eagle2 / fsd with ``divergence``, ``threshold`` and ``backend``, or
     ``config``) or older eval/speed.py names: ``ar_graph``, ``eagle2_eager``, ``fsd_kl_T1.0_compiled``; the
-    fastest backend is preferred: compiled, then CUDA graph, then eager. Sampling rows (temperature > 0) are
-    skipped."""
+    fastest backend is preferred: compiled, then CUDA graph, then eager. Rows of another temperature than the
+    sweep's (``temperature``; 0 = greedy) are skipped: their speed is no measure of its configs."""
     if row.get("config"):
         return str(row["config"]), 0
-    if row.get("temperature"):
-        return None  # the sweep decodes greedily: a sampling row's speed is no measure of its configs
+    if float(row.get("temperature") or 0.0) != float(temperature):
+        return None
     method = str(row.get("method", ""))
     if method in ("ar", "eagle2", "fsd"):
         threshold = 0.0 if method == "eagle2" else threshold_from_json(row.get("threshold"))
@@ -194,10 +194,10 @@ def _speed_key(row: dict) -> tuple[str, int] | None:
     return Config("fsd", m["div"], threshold).key, rank
 
 
-def merge_speed(rows: list[dict], speed: dict | list, source: str) -> int:
+def merge_speed(rows: list[dict], speed: dict | list, source: str, temperature: float = 0.0) -> int:
     """Replace the rows' speed figures by those of a single-process speed run (see the module docstring);
     returns the number of rows merged. Rows the speed run does not cover keep the sweep's figures (the
-    markdown table says which rows come from where)."""
+    markdown table says which rows come from where); only speed rows at the sweep's ``temperature`` count."""
     speed_rows = speed.get("rows", []) if isinstance(speed, dict) else list(speed)
     meta = speed.get("meta", {}) if isinstance(speed, dict) else {}
     label = meta.get("source") or source
@@ -208,7 +208,7 @@ def merge_speed(rows: list[dict], speed: dict | list, source: str) -> int:
     for s in speed_rows:
         if not isinstance(s, dict) or ("method" not in s and "config" not in s):
             raise InputError(f"speed rows need 'method' (or 'config'); got {s!r:.80}")
-        key = _speed_key(s)
+        key = _speed_key(s, temperature)
         if key is not None and (key[0] not in by_key or key[1] < by_key[key[0]][0]):
             by_key[key[0]] = (key[1], s)
     merged = 0
@@ -271,7 +271,8 @@ def build_results(out: Path | str, speed: Path | str | None = None) -> dict:
             data = json.loads(speed_path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise InputError(f"cannot read the speed file {speed_path}: {e}") from None
-        n = merge_speed(rows, data, f"single-process speed run ({speed_path.name})")
+        n = merge_speed(rows, data, f"single-process speed run ({speed_path.name})",
+                        float(meta.get("settings", {}).get("temperature") or 0.0))
         meta["speed_file"] = str(speed_path)
         meta["speed_rows_merged"] = n
     return {"meta": meta, "rows": rows}
@@ -327,7 +328,10 @@ def render_markdown(results: dict) -> str:
         lines.append("- speed (tok/s, speedup): " + sources[0])
     else:  # some rows from a merged speed run, others from the sweep: the column "speed" says which
         lines += [f"- speed [{i}] (tok/s, speedup): {src}" for i, src in enumerate(sources, 1)]
-    lines.append("- greedy decoding; accuracy in % ± binomial standard error; agreement = greedy token agreement "
+    temperature = settings.get("temperature")
+    decoding = (f"sampling at temperature {temperature:g} (seed {meta.get('seed', '?')} for every question)"
+                if temperature else "greedy decoding")
+    lines.append(f"- {decoding}; accuracy in % ± binomial standard error; agreement = token agreement "
                  "with the AR output of the same question; NLL = the target's mean NLL per generated token (nats)")
     lines.append("")
     head = ["method", "divergence", "T", "tok/s", "speedup vs AR", "tau", "fuzzy/token"]
@@ -429,7 +433,10 @@ def plot_accuracy_vs_speed(results: dict, path: Path | str) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results["rows"] if _concurrent_tps(r) is not None]
+    merged = [r for r in results["rows"] if "tokens_per_s_concurrent" in r]
+    single = bool(merged) and len(merged) == len(results["rows"])  # every row from the single-process run
+    speed_of = (lambda r: r.get("tokens_per_s")) if single else _concurrent_tps
+    rows = [r for r in results["rows"] if speed_of(r) is not None]
     tasks = [t for t in TASKS if any(r.get(ACC_KEYS[t]) is not None for r in rows)]
     panels = [(ACC_KEYS[t], TASK_TITLES[t] + " (%)", 100.0) for t in tasks]
     if any(r.get("agreement") is not None for r in rows):
@@ -445,28 +452,29 @@ def plot_accuracy_vs_speed(results: dict, path: Path | str) -> Path | None:
             se = r.get(key + "_se")
             err = None if se is None else scale * se
             if r["method"] == "ar":
-                ax.errorbar(_concurrent_tps(r), scale * r[key], yerr=err, fmt="*", ms=14, color="black",
+                ax.errorbar(speed_of(r), scale * r[key], yerr=err, fmt="*", ms=14, color="black",
                             label="AR", zorder=5)
             elif r["method"] == "eagle2":
-                ax.errorbar(_concurrent_tps(r), scale * r[key], yerr=err, fmt="D", ms=9, color="tab:red",
+                ax.errorbar(speed_of(r), scale * r[key], yerr=err, fmt="D", ms=9, color="tab:red",
                             label="EAGLE-2 (exact, T=0)", zorder=5)
             else:
                 by_div[r["divergence"]].append(r)
         for div, rs in sorted(by_div.items()):
             rs.sort(key=lambda r: threshold_from_json(r["threshold"]))
-            xs = [_concurrent_tps(r) for r in rs]
+            xs = [speed_of(r) for r in rs]
             ys = [scale * r[key] for r in rs]
             errs = [scale * (r.get(key + "_se") or 0.0) for r in rs]
             ax.errorbar(xs, ys, yerr=errs, fmt="o-", ms=5, capsize=2, label=f"FSD {div}")
             for x, y, r in zip(xs, ys, rs):
                 ax.annotate(format_threshold(threshold_from_json(r["threshold"])), (x, y), fontsize=7,
                             textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel("tokens / s (the sweep's own, one source for all points)")
+        ax.set_xlabel("tokens / s (" + ("single-process speed run" if single else "the sweep's own") +
+                      ", one source for all points)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     meta = results.get("meta", {})
-    source = concurrent_source(meta)
+    source = rows[0].get("speed_source") if single and rows else concurrent_source(meta)
     fig.suptitle(f"{meta.get('settings', {}).get('target', '')} on {meta.get('device', '')}\nspeed: {source}",
                  fontsize=8)
     fig.tight_layout()

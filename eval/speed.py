@@ -1,5 +1,6 @@
 """GPU speed benchmark (one process, one device): transformers ``generate``, our plain AR, exact EAGLE-2 and
-FSD, eager, CUDA-graph replay and compiled rounds, on MT-bench first turns, greedy and at the temperatures
+FSD, eager, CUDA-graph replay and compiled rounds, on MT-bench first turns (``--prompts``: or the first GSM8K
+test problems, or the generated arithmetic test problems, in the sweep's prompt format), greedy and at the temperatures
 of ``--temperatures``. Also a per-stage breakdown of one round, peak memory at a 2048-token context, and a
 random-weight Llama-3-8B-shaped target's per-round cost.
 
@@ -314,17 +315,31 @@ def parse_fsd(text: str) -> list[tuple[str, float]]:
     return out
 
 
+def load_prompts(source: str, limit: int) -> list[str]:
+    """The first ``limit`` prompts of ``source``: MT-bench first turns, or GSM8K / arithmetic test problems
+    as the sweep's user messages (eval/tasks.py)."""
+    from eval.tasks import arith_prompt, gsm8k_prompt, load_arith, load_gsm8k, load_mt_bench
+
+    if source == "gsm8k":
+        return [gsm8k_prompt(p) for p in load_gsm8k("test", limit=limit)]
+    if source == "arith":
+        return [arith_prompt(p) for p in load_arith("test", limit=limit)]
+    return [q.turns[0] for q in load_mt_bench(limit=limit)]
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import transformers
 
-    from eval.tasks import load_mt_bench
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.config import FuzzyConfig
 
     p = argparse.ArgumentParser(prog="python -m eval speed")
     p.add_argument("--target")
     p.add_argument("--head")
+    p.add_argument("--draft-model", help="a small causal LM folder drafting instead of a head (classic SD)")
+    p.add_argument("--prompts", choices=("mt_bench", "gsm8k", "arith"), default="mt_bench",
+                   help="MT-bench first turns (default), or GSM8K / arithmetic test problems as the sweep asks them")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: SpeculativeGenerator.load's)")
@@ -362,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     temperatures = parse_floats(a.temperatures, "--temperatures")
     fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
-    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads,
-                                    tp_size=a.tp)
+    gen = SpeculativeGenerator.load(target=a.target, head=a.head, draft_model=a.draft_model, device=a.device,
+                                    dtype=a.dtype, threads=a.threads, tp_size=a.tp)
     from fsd_eagle.parallel import is_main_rank
 
     if a.tp > 1:  # the rounds alone: every rank runs them, rank 0 reports
@@ -374,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")
     tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab)
     dev = gen.target.device
-    prompts = [q.turns[0] for q in load_mt_bench(limit=a.limit)]
+    prompts = load_prompts(a.prompts, a.limit)
     rows, outputs = [], {}
     partial = Path(a.out).with_suffix(".partial.json") if a.out != os.devnull else Path(os.devnull)
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -435,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
               "meta": {"date": date.today().isoformat(), "device": device_name, "torch": torch.__version__,
                        "transformers": transformers.__version__, "dtype": str(gen.target.dtype).replace("torch.", ""),
                        "threads": torch.get_num_threads(), "prompts": len(prompts), "tp_size": a.tp,
+                       "prompt_source": a.prompts, "target": a.target or "default", "head": a.head,
+                       "draft_model": a.draft_model,
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}

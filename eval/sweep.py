@@ -3,9 +3,10 @@
     python -m eval sweep --tasks gsm8k mmlu humaneval --divergences kl js --thresholds kl:0.5,1,2,4 js:0.1,0.2 \
         --limit gsm8k=200 mmlu=500 --batch-size 16 --out eval/results/sweep
 
-Every (config, task, question) is one job: greedy decoding (temperature 0) of the question's prompt (see
-eval/tasks.py for the prompt formats), scored right away (GSM8K final number, MMLU letter, HumanEval pass@1 in
-a sandboxed subprocess), with the target's NLL of the generated tokens (eval/fidelity.py). A config is
+Every (config, task, question) is one job: greedy decoding (temperature 0; ``--temperature`` samples instead,
+every question with the run's seed) of the question's prompt (see eval/tasks.py for the prompt formats), scored
+right away (GSM8K and the generated arithmetic task: final number; MMLU letter; HumanEval pass@1 in a sandboxed
+subprocess), with the target's NLL of the generated tokens (eval/fidelity.py). A config is
 ``ar`` (plain decoding), ``eagle2`` (exact tree decoding, T = 0) or ``fsd`` at one (divergence, threshold).
 
 Results are written per question, as they complete, to ``OUT/raw/<config>/<task>.jsonl``; a restarted sweep
@@ -51,9 +52,11 @@ from fsd_eagle.errors import ConfigError, FSDError, InputError
 
 from . import tasks as _tasks
 
-TASKS = ("gsm8k", "mmlu", "humaneval")
+TASKS = ("gsm8k", "mmlu", "humaneval", "arith")
+# The tasks a sweep runs by default; always in settings.json's max_new_tokens (so older folders still resume).
+DEFAULT_TASKS = ("gsm8k", "mmlu", "humaneval")
 METHODS = ("ar", "eagle2", "fsd")
-DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "mmlu": 32, "humaneval": 384}
+DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "mmlu": 32, "humaneval": 384, "arith": 256}
 # FSD thresholds by divergence (its scale differs: KL is unbounded, JS at most ln 2); "*" for the others.
 # From a first look (one GSM8K question, the shipped SmolLM2 head, CPU): KL 0.5 .. 8 made 0.01 .. 0.37 of the
 # tokens fuzzy-accepted, JS 0.1 .. 0.4 0.01 .. 0.15 (JS 0.05: none). Tune them per target and head.
@@ -190,6 +193,9 @@ def load_questions(task: str, limit: int | None = None, data_dir: Path | str = _
         chosen = sorted(mmlu_order(len(everything))[:limit] if limit is not None else range(len(everything)))
         return [Question("mmlu", str(q.index), _tasks.mmlu_prompt(q), {"reference": q.answer, "topic": q.topic})
                 for q in (everything[i] for i in chosen)]
+    if task == "arith":
+        return [Question("arith", str(p.index), _tasks.arith_prompt(p), {"reference": p.reference})
+                for p in _tasks.load_arith("test", limit=limit)]
     if task == "humaneval":
         return [Question("humaneval", p.task_id, _tasks.humaneval_prompt(p),
                          {"prompt": p.prompt, "test": p.test, "entry_point": p.entry_point})
@@ -201,7 +207,7 @@ def score(task: str, payload: dict, text: str, humaneval_timeout_s: float = HUMA
     """{"pred", "ref", "correct"} (+ "status" for HumanEval, whose program runs in a subprocess)."""
     from .metrics import extract_gsm8k_answer, extract_mmlu_letter, humaneval_completion_code
 
-    if task == "gsm8k":
+    if task in ("gsm8k", "arith"):
         pred = extract_gsm8k_answer(text)
         return {"pred": pred, "ref": payload["reference"], "correct": pred == payload["reference"]}
     if task == "mmlu":
@@ -336,13 +342,14 @@ def _init_worker(opts: dict) -> None:
             if batch > 1:  # a batch decodes on a session (and graphs) of its own
                 gen.generate(["Hello"] * batch, 4, batch_size=batch, **kwargs)
 
-        warm(autoregressive=True)
+        temperature = opts.get("temperature", 0.0)
+        warm(autoregressive=True, temperature=temperature)
         if gen.drafter is not None:
-            warm()
+            warm(temperature=temperature)
             if gen.target.device.type == "cuda":
                 for cfg in opts["configs"]:
                     if cfg["method"] == "fsd":
-                        warm(fuzzy=_fuzzy(cfg, opts))
+                        warm(fuzzy=_fuzzy(cfg, opts), temperature=temperature)
     _STATE.clear()
     _STATE.update(gen=gen, opts=opts)
 
@@ -356,7 +363,7 @@ def _fuzzy(cfg: dict, opts: dict):
 
 def _decode_args(cfg: dict, opts: dict) -> dict:
     """generate / generate_many arguments of one config."""
-    return {"temperature": 0.0, "fuzzy": _fuzzy(cfg, opts) if cfg["method"] == "fsd" else None,
+    return {"temperature": opts.get("temperature", 0.0), "fuzzy": _fuzzy(cfg, opts) if cfg["method"] == "fsd" else None,
             "seed": opts["seed"], "autoregressive": cfg["method"] == "ar"}
 
 
@@ -544,7 +551,7 @@ def resolve_tree(target: str | None, device_type: str, tree: dict | None) -> dic
     return {k: tree[k] for k in keys}
 
 
-def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[str] = METHODS,
+def run_sweep(out: Path | str, tasks: Sequence[str] = DEFAULT_TASKS, methods: Sequence[str] = METHODS,
               divergences: Sequence[str] = DEFAULT_DIVERGENCES,
               thresholds: Sequence[float] | dict[str, Sequence[float]] = DEFAULT_THRESHOLDS,
               *, target: str | None = None, head: str | None = None, draft_model: str | None = None,
@@ -553,17 +560,23 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
               max_new_tokens: dict[str, int] | None = None, seed: int = 0, fuzzy_mode: str = "hybrid",
               tree: dict | None = None, humaneval_timeout_s: float = HUMANEVAL_TIMEOUT_S,
               command: str | None = None, progress: bool = True, data_dir: Path | str = _tasks.DATA_DIR,
-              report: bool = True, threads: int | None = None, batch_size: int = 1) -> dict:
+              report: bool = True, threads: int | None = None, batch_size: int = 1,
+              temperature: float = 0.0) -> dict:
     """Run (or continue) a sweep into ``out``; returns the results dict also written to OUT/results.json.
 
     ``batch_size`` > 1 decodes up to that many questions of one config and task together (one process; see
     the module docstring). It does not change the outputs and is no part of ``settings.json``.
 
     ``threads``: torch CPU threads per worker (default: SpeculativeGenerator.load's with one in-process worker;
-    otherwise the CPU cores shared among the workers on CPU, 1 per worker on GPU)."""
+    otherwise the CPU cores shared among the workers on CPU, 1 per worker on GPU).
+
+    ``temperature`` > 0 samples (every question with ``seed``; lossless for eagle2) instead of decoding
+    greedily; it is kept in settings.json (only when not 0, so older greedy folders still resume)."""
     from fsd_eagle.models import resolve_device, resolve_dtype
 
     check_parallelism(workers, batch_size)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
     configs = build_configs(methods, divergences, thresholds)
     tasks = list(dict.fromkeys(tasks))
     for t in tasks:
@@ -582,7 +595,8 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
                 **({"draft_model": str(draft_model)} if draft_model else {}),
                 "dtype": str(dt).replace("torch.", ""), "tree": resolve_tree(target, dev.type, tree),
                 "fuzzy_mode": fuzzy_mode,
-                "max_new_tokens": {t: limits[t] for t in TASKS}, "seed": seed}
+                "max_new_tokens": {t: limits[t] for t in TASKS if t in DEFAULT_TASKS or t in tasks}, "seed": seed,
+                **({"temperature": float(temperature)} if temperature else {})}
     store.check_settings(settings)
 
     questions = {t: load_questions(t, limit_of.get(t), data_dir) for t in tasks}
@@ -601,7 +615,7 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = TASKS, methods: Sequence[s
             "draft_model": str(draft_model) if draft_model else None, "device": device,
             "dtype": dtype, "seed": seed, "fuzzy_mode": fuzzy_mode, "tree": settings["tree"],
             "configs": [c.to_json() for c in configs], "humaneval_timeout_s": humaneval_timeout_s,
-            "batch_size": batch_size,
+            "batch_size": batch_size, "temperature": float(temperature),
             "threads": threads if threads else (None if workers == 1 else
                                                  max(1, cpu // workers) if dev.type == "cpu" else 1)}
     meta = run_metadata(seed, command, device, workers, batch_size)

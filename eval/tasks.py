@@ -5,7 +5,7 @@ sources, licences and record formats). Every loader returns a list of plain data
 records in file order, takes ``limit`` (keep only the first ``limit`` records; None keeps
 all) and ``data_dir`` (default: the ``data`` folder next to this file), and raises
 :class:`fsd_eagle.errors.InputError` with one readable line when a file is missing or
-malformed.
+malformed. The generated arithmetic task (``load_arith``, eval/arith.py) needs no file.
 
 Prompt builders return the text of one *user* message for an instruct (chat) model; apply
 the model's chat template to it. All prompts are zero-shot.
@@ -21,6 +21,7 @@ from typing import Any
 from fsd_eagle.errors import InputError
 from fsd_eagle.jsonl import read_json_lines
 
+from .arith import ArithProblem, arith_problems
 from .metrics import gsm8k_reference
 
 __all__ = [
@@ -36,7 +37,9 @@ __all__ = [
     "load_gsm8k",
     "load_humaneval",
     "load_mmlu",
+    "load_arith",
     "gsm8k_prompt",
+    "arith_prompt",
     "mmlu_prompt",
     "humaneval_prompt",
 ]
@@ -231,6 +234,17 @@ def load_gsm8k(
     return out
 
 
+def load_arith(split: str = "test", limit: int | None = None) -> list[ArithProblem]:
+    """Generated multi-step arithmetic word problems (eval/arith.py): ``split`` "test" (the held-out
+    TEST_SIZE problems) or "train" (``limit`` required); each has ``question``, ``solution`` and
+    ``reference`` (the final number as text)."""
+    _check_limit(limit)
+    try:
+        return arith_problems(split, limit)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 def load_humaneval(limit: int | None = None, data_dir: Path | str = DATA_DIR) -> list[HumanEvalProblem]:
     """HumanEval's 164 problems (``humaneval/HumanEval.jsonl.gz``)."""
     path = Path(data_dir) / "humaneval" / "HumanEval.jsonl.gz"
@@ -313,6 +327,12 @@ def gsm8k_prompt(problem: GSM8KProblem | str) -> str:
     """
     question = problem.question if isinstance(problem, GSM8KProblem) else problem
     return f"{question.strip()}\n\n{GSM8K_INSTRUCTION}"
+
+
+def arith_prompt(problem) -> str:
+    """User message for a generated arithmetic problem: the GSM8K prompt's layout and instruction (the
+    solutions end "The answer is N."), scored like GSM8K against ``problem.reference``."""
+    return gsm8k_prompt(problem.question)
 
 
 def mmlu_prompt(question: MMLUQuestion) -> str:

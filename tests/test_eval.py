@@ -500,7 +500,7 @@ def test_configs_thresholds_and_limits():
     assert threshold_to_json(math.inf) == "inf" and threshold_from_json("inf") == math.inf
     assert threshold_to_json(0.25) == 0.25 and threshold_from_json(None) is None
     assert Config("fsd", "js", 0.1).to_json() == {"method": "fsd", "divergence": "js", "threshold": 0.1}
-    assert parse_max_new_tokens(["100", "mmlu=8"]) == {"gsm8k": 100, "mmlu": 8, "humaneval": 100}
+    assert parse_max_new_tokens(["100", "mmlu=8"]) == {"gsm8k": 100, "mmlu": 8, "humaneval": 100, "arith": 100}
     assert parse_max_new_tokens(None) == {} and DEFAULT_MAX_NEW_TOKENS["gsm8k"] == 256
     for bad in (["gsm8k=0"], ["piqa=5"], ["x"]):
         with pytest.raises(ConfigError):
@@ -514,7 +514,7 @@ def test_configs_thresholds_and_limits():
     for bad in (["kl:"], ["-1"], ["kl:x"]):
         with pytest.raises(ConfigError):
             parse_thresholds(bad)
-    assert parse_limits(["200", "humaneval=5"]) == {"gsm8k": 200, "mmlu": 200, "humaneval": 5}
+    assert parse_limits(["200", "humaneval=5"]) == {"gsm8k": 200, "mmlu": 200, "humaneval": 5, "arith": 200}
     order = mmlu_order(14042)
     assert sorted(order) == list(range(14042)) and order == mmlu_order(14042)
     small, large = load_questions("mmlu", 20), load_questions("mmlu", 60)

@@ -1,6 +1,8 @@
 """``python -m training run RECIPE --out DIR`` trains a draft head end to end (data -> optional
 self-distillation -> online features -> training -> validation tau -> export);
-``python -m training data prepare ...`` builds a conversation file (see training/data.py).
+``python -m training data prepare ...`` builds a conversation file (see training/data.py);
+``python -m training finetune RECIPE --out DIR`` fine-tunes a target (training/finetune.py);
+``python -m training draft-model --target DIR --layers K --out DIR`` builds a draft LM (training/draft_model.py).
 
 The command line lives in training/cli.py; this module imports it inside ``main``, so that a Ctrl-C while
 torch and transformers load ends with one line too."""

