@@ -14,16 +14,15 @@ import copy
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-from fsd_eagle.errors import ConfigError, FSDError, InputError
+from fsd_eagle.errors import ConfigError, InputError
 
 from .lm_recipe import LMRecipe, find_field_problem
-from .lm_train import (check_resumable, find_eos_ids, export_model, split_validation, tokenize_answers, train_lm,
-                       read_train_seconds)
+from .lm_train import (check_resumable, export_model, find_eos_ids, read_train_seconds, run_command, split_validation,
+                       tokenize_answers, train_lm)
 
 MODEL_DIR = "model"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -182,12 +181,4 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stop-after", type=float,
                    help="end this call after that many seconds of distillation, with a checkpoint to --resume from")
     args = p.parse_args(argv)
-    try:
-        return run_draft_model(args)
-    except FSDError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: the checkpoint (if distillation had started) is in OUT/checkpoint; continue with "
-              "--resume", file=sys.stderr)
-        return 130
+    return run_command(run_draft_model, args, "distillation")

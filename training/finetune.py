@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fsd_eagle.errors import FSDError, InputError
+from fsd_eagle.errors import InputError
 
 from .lm_recipe import LMRecipe, find_field_problem
-from .lm_train import (check_resumable, find_eos_ids, export_model, split_validation, tokenize_answers, train_lm,
-                       read_train_seconds)
+from .lm_train import (check_resumable, export_model, find_eos_ids, read_train_seconds, run_command, split_validation,
+                       tokenize_answers, train_lm)
 
 MODEL_DIR = "model"
 
@@ -150,12 +150,4 @@ def main(argv: list[str]) -> int:
     p = OneLineParser(prog="python -m training finetune", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
-    try:
-        return run_finetune(args)
-    except FSDError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: the checkpoint (if training had started) is in OUT/checkpoint; continue with "
-              "--resume", file=sys.stderr)
-        return 130
+    return run_command(run_finetune, args, "training")

@@ -286,3 +286,20 @@ def export_model(model: torch.nn.Module, tokenizer, out: Path, name: str, recipe
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
+
+
+def run_command(run, args, stage: str) -> int:
+    """A training command's exit status: ``run(args)``'s, or 2 with one line for our errors, or 130 with
+    where to resume after Ctrl-C (``stage``: what had started, e.g. "training")."""
+    from fsd_eagle.errors import FSDError
+
+    try:
+        return run(args)
+    except FSDError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the checkpoint (if {stage} had started) is in OUT/checkpoint; continue with "
+              "--resume", file=sys.stderr)
+        return 130
+

@@ -171,9 +171,9 @@ def timed(fn) -> float:
 
 
 def bench_target(target: Path, head: Path, tp_size: int, prompts: list[list[int]], max_new_tokens: int,
-                 rounds: int, compile: bool, device: str) -> dict:
-    """ms per round (one long decode after a 512-token prompt) and tokens/s over ``prompts`` of AR and
-    EAGLE-2 on one random-weight target folder."""
+                 rounds: int, compile: bool, device: str, batch: int = 1) -> dict:
+    """ms per round (one long decode after a 512-token prompt, in each of ``batch`` rows) and tokens/s over
+    ``prompts`` (``batch`` at a time) of AR and EAGLE-2 on one random-weight target folder."""
     t = time.perf_counter()
     gen = SpeculativeGenerator.load(target, head=head, device=device, dtype="bfloat16", tree=TreeConfig(**BIG_TREE),
                                     tp_size=tp_size, compile=compile)
@@ -184,18 +184,18 @@ def bench_target(target: Path, head: Path, tp_size: int, prompts: list[list[int]
     long_prompt = list(range(1000, 1512))
     for name, ar in (("ar", True), ("eagle2", False)):
         t = time.perf_counter()
-        gen.generate(long_prompt, 8, autoregressive=ar, chat=False)  # capture (and compile)
-        for p in prompts:  # every prompt-length bucket's prefill graph
-            gen.generate(p, 2, autoregressive=ar, chat=False)
+        gen.generate([long_prompt] * batch, 8, autoregressive=ar, chat=False, batch_size=batch)  # capture
+        gen.generate(prompts, 2, autoregressive=ar, chat=False, batch_size=batch)  # every prefill graph
         warmup_s = time.perf_counter() - t
         box = {}
         barrier()
-        seconds = timed(lambda: box.update(r=gen.generate(long_prompt, rounds + 1, autoregressive=ar, chat=False)))
-        r = box["r"]
+        seconds = timed(lambda: box.update(r=gen.generate([long_prompt] * batch, rounds + 1, autoregressive=ar,
+                                                          chat=False, batch_size=batch)))
+        r = max(box["r"], key=lambda x: x.stats.target_forwards)
         results = []
         barrier()
-        total = timed(lambda: results.extend(gen.generate(p, max_new_tokens, autoregressive=ar, chat=False)
-                                             for p in prompts))
+        total = timed(lambda: results.extend(gen.generate(prompts, max_new_tokens, autoregressive=ar, chat=False,
+                                                          batch_size=batch)))
         tokens = sum(x.stats.new_tokens for x in results)
         forwards = sum(x.stats.target_forwards for x in results)
         out[name] = {"ms_per_round": round(1000 * seconds / r.stats.target_forwards, 3),
@@ -233,8 +233,8 @@ def check_speed(work: Path, tp_size: int, prompts: list[str], a) -> dict:
         log(f"{shape} tp {size}")
         # tp 1: every rank loads a whole copy onto its own GPU at the same time (transformers' loading joins
         # collectives when a process group exists, so no rank may load alone); rank 0's numbers are reported.
-        row = {"shape": shape, **bench_target(*folders[shape], size, ids, a.max_new_tokens, a.rounds, a.compile,
-                                              a.device)}
+        row = {"shape": shape, "batch": a.batch, **bench_target(*folders[shape], size, ids, a.max_new_tokens,
+                                                                a.rounds, a.compile, a.device, a.batch)}
         project(row, tau)
         rows.append(row)
     out = {"rows": rows, "tau": tau, "tau_source": source, "tree": BIG_TREE}
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-exact", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-32b", action="store_true")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together in the speed runs")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a gloo smoke run on a machine without CUDA)")
     p.add_argument("--code", help="the commit of the code run, recorded in the result (default: git's HEAD)")
     a = p.parse_args(argv)
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                        "code": a.code or git_commit(short=True),
                        "command": "torchrun --nproc-per-node " + str(world) + " eval/device/tp_check.py "
                                   + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "rounds": a.rounds,
+                       "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "batch": a.batch,
                        "compile": a.compile}}
     if not a.skip_exact:
         result["exactness"] = check_exactness(work, world, a.device)
