@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from eval.tasks import load_mt_bench  # noqa: E402
 
-NEW_TOKENS = 8
+NEW_TOKENS = 6
 TREE = TreeConfig(total_tokens=8, depth=3, top_k=2)
 
 
@@ -57,7 +57,7 @@ def test_greedy_with_a_random_head_is_autoregressive(gen, prompts):
 
 def test_greedy_past_the_sliding_window_is_autoregressive(gen):
     """A prompt longer than the 512-token window: decoding attends through the sliding layers' window."""
-    text = " ".join(q.turns[0] for q in load_mt_bench(limit=12))
+    text = " ".join(q.turns[0] for q in load_mt_bench(limit=14))
     ids = gen.encode(text)
     assert 512 < len(ids) < 1000
     ar = gen.generate(ids, NEW_TOKENS, autoregressive=True)
