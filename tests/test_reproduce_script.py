@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh")
+SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh", "eval/device/gemma3_head.sh",
+           "eval/device/assemble.sh")
 
 
 def test_scripts_parse():

@@ -879,3 +879,38 @@ def test_bad_threads_option(llama, tmp_path, capsys):
     assert main(llama.argv(out, "--threads", 0)) == 2
     assert "threads must be an integer >= 1" in _one_line_error(capsys)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_a_loss_taken_in_chunks_of_rows_has_the_same_value_and_gradients(llama, arch, monkeypatch):
+    """A batch whose rows x vocabulary exceed MAX_LOGIT_ELEMENTS (a 262k vocabulary) is taken in chunks of
+    rows, each checkpointed: the loss, its metrics and the head's gradients are those of one block."""
+    from fsd_eagle.target import Target
+    from training.recipe import Recipe
+
+    model, _ = load_target(str(llama.target), torch.device("cpu"), torch.float32)
+    target = Target(model)
+    torch.manual_seed(0)
+    extra = {"arch": "eagle3", "draft_vocab_size": 64} if arch == "eagle3" else {}
+    head = EagleHead(HeadConfig.for_target(model.config, **extra))
+    if arch == "eagle3":
+        head.set_draft_vocab(torch.randperm(VOCAB))
+    ids, attn, mask = _loss_batch()
+    recipe = Recipe(noise=0.0, unroll=2)
+
+    def loss_and_grads():
+        head.zero_grad(set_to_none=True)
+        loss, metrics = training.train.head_loss(head, target, ids, attn, mask, recipe)
+        loss.backward()
+        return loss.detach(), metrics, {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
+
+    whole = loss_and_grads()
+    monkeypatch.setattr(training.train, "MAX_LOGIT_ELEMENTS", 3 * VOCAB)  # 3 rows per chunk
+    assert len(training.train.row_chunks(8, VOCAB)) == 3
+    chunked = loss_and_grads()
+    torch.testing.assert_close(chunked[0], whole[0])
+    for key in ("ce", "acc"):
+        torch.testing.assert_close(chunked[1][key], whole[1][key])
+    assert chunked[2].keys() == whole[2].keys() and whole[2]
+    for name, grad in whole[2].items():
+        torch.testing.assert_close(chunked[2][name], grad, msg=name)

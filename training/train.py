@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -55,25 +56,16 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
     # row t - j predicts position t + 1, for t >= j.
     b, t = (mask & attn)[:, 1:].nonzero(as_tuple=True)
     f_next = f[:, 1:][b, t]
-    with torch.no_grad():
-        logits = target.logits(f_next)  # [N, V]
-        p_top = logits.argmax(-1)
-        counted = torch.ones_like(t, dtype=torch.bool)
-        if eagle3:
-            draft = head.draft_ids()
-            if draft is not None:
-                logits, counted = logits[:, draft], head.t2d[p_top]
-            p, p_top = logits.float().softmax(-1), logits.argmax(-1)  # p_top: a draft column from here on
-        else:
-            p = logits.softmax(-1)
+    draft = head.draft_ids() if eagle3 else None
+    p_top, counted = target_tops(target, f_next, draft, head.t2d if draft is not None else None)
     total = sum(recipe.unroll_decay ** j for j in range(steps))
     weights = [recipe.unroll_decay ** j / total for j in range(steps)]
     loss, feats, ces, accs = 0.0, [], [], []
     for j, pred in enumerate(preds):
         valid = (t >= j) & counted
         q_in = pred[b, (t - j).clamp(min=0)]  # [N, h]; rows with t < j are dropped below
-        logq = torch.log_softmax(head.draft_logits(q_in) if eagle3 else target.logits(q_in), dim=-1)
-        ce = _mean(-(p * logq).sum(-1), valid)
+        ce_rows, q_top = soft_cross_entropy(head, target, q_in, f_next, draft)
+        ce = _mean(ce_rows, valid)
         if eagle3:
             feat, step_loss = torch.zeros_like(ce), ce
         else:
@@ -82,8 +74,68 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
         loss = loss + weights[j] * step_loss
         feats.append(feat.detach())
         ces.append(ce.detach())
-        accs.append(_mean((logq.argmax(-1) == p_top).float(), valid))
+        accs.append(_mean((q_top == p_top).float(), valid))
     return loss, {"feat": torch.stack(feats), "ce": torch.stack(ces), "acc": torch.stack(accs)}
+
+
+# The most elements of a [rows, V] float32 logits block the loss computes at once (4 GiB): a batch whose
+# counted rows x vocabulary exceed it is taken in chunks of rows, each recomputed in the backward pass
+# (activation checkpointing), so a 262k vocabulary never holds [tokens, V] tensors for a whole batch.
+MAX_LOGIT_ELEMENTS = 1 << 30
+
+
+def row_chunks(rows: int, vocab: int) -> list[slice]:
+    """Slices of ``rows`` rows, each at most ``MAX_LOGIT_ELEMENTS // vocab`` long (one slice when all fit)."""
+    size = max(1, MAX_LOGIT_ELEMENTS // max(1, vocab))
+    return [slice(i, i + size) for i in range(0, rows, size)] or [slice(0, 0)]
+
+
+@torch.no_grad()
+def target_tops(target: Target, f_next: torch.Tensor, draft: torch.Tensor | None,
+                t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top token at each row ``[N]`` (a draft column when ``draft`` is given) and whether the
+    row counts ``[N]`` (with a draft vocabulary: the target's top token over every token is in it),
+    computed in chunks of rows."""
+    tops, counted = [], []
+    for rows in row_chunks(f_next.shape[0], target.vocab_size):
+        logits = target.logits(f_next[rows])  # [r, V]
+        if draft is None:
+            tops.append(logits.argmax(-1))
+            counted.append(torch.ones_like(tops[-1], dtype=torch.bool))
+        else:
+            counted.append(t2d[logits.argmax(-1)])
+            tops.append(logits[:, draft].argmax(-1))
+    return torch.cat(tops), torch.cat(counted)
+
+
+def soft_cross_entropy(head: EagleHead, target: Target, q_in: torch.Tensor, f_next: torch.Tensor,
+                       draft: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row ``[N]``: the soft cross-entropy of the head's prediction ``q_in`` against the target's
+    next-token distribution at ``f_next`` (eagle2: both through the target's lm_head; eagle3: the head's
+    draft logits against the target's distribution restricted to the draft vocabulary and renormalised),
+    and the prediction's top token (a draft column for eagle3). The target's logits over a draft vocabulary
+    are computed from its lm_head rows of the draft tokens alone (the same values as the whole vocabulary's
+    columns, at a fraction of the cost). Rows are taken in chunks (``row_chunks``), each checkpointed when
+    there are several: the same values, without [N, V] tensors kept for backward."""
+    rows_of = None  # eagle3 with a draft vocabulary: the target's lm_head rows of the draft tokens only
+    if draft is not None:
+        bias = target.lm_head.bias
+        rows_of = (target.lm_head.weight[draft], None if bias is None else bias[draft])
+    chunks = row_chunks(q_in.shape[0], target.vocab_size if draft is None else draft.numel())
+    if len(chunks) == 1:
+        return _soft_ce_rows(head, target, rows_of, q_in, f_next)
+    parts = [checkpoint(_soft_ce_rows, head, target, rows_of, q_in[rows], f_next[rows], use_reentrant=False)
+             for rows in chunks]
+    return torch.cat([ce for ce, _ in parts]), torch.cat([top for _, top in parts])
+
+
+def _soft_ce_rows(head: EagleHead, target: Target, rows_of: tuple | None, q_in: torch.Tensor,
+                  f_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``soft_cross_entropy`` of one block of rows (``rows_of``: the target's lm_head rows to use, or None)."""
+    with torch.no_grad():
+        p = (target.logits(f_next) if rows_of is None else target.logits(f_next, *rows_of)).softmax(-1)
+    logq = torch.log_softmax(head.draft_logits(q_in) if head.config.eagle3 else target.logits(q_in), dim=-1)
+    return -(p * logq).sum(-1), logq.argmax(-1)
 
 
 def _mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

