@@ -25,11 +25,9 @@ bash eval/device/assemble.sh
 [ -f "${STORE:-/root/carry}/.unpacked" ] || exit 0  # more pieces to come
 mkdir -p "$RES"
 if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RES/gpu_batch.json" ]; then cp "$RESUME_FROM" "$RES/gpu_batch.json"; fi
-running() { [ -f "$RES/pid" ] && kill -0 "$(cat "$RES/pid")" 2> /dev/null; }
-if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
-  rm -rf "$RES/code" "$RES/rc"
-  mkdir -p "$RES/code"
-  tar --exclude=./.git --exclude='./.carry*' -cf - . | tar -xf - -C "$RES/code"
+source eval/device/job.sh
+if needs_start; then
+  copy_code
   if [ -f "$RES/presets.json" ]; then cp "$RES/presets.json" "$RES/code/fsd_eagle/presets.json"; fi
   # bash -c records its own pid (alive while the run goes on) and the exit status of the tuner or benchmark.
   (cd "$RES/code" && PYTHONPATH="$RES/code" TUNE="${TUNE:-}" setsid nohup bash -c 'echo $$ > "$0/pid";
@@ -43,12 +41,7 @@ if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
       "$RES" "$@" > /dev/null 2>&1 &)
   sleep 2
 fi
-for _ in $(seq "$WAIT"); do running || break; sleep 1; done
-if running; then
-  echo "benchmark running (pid $(cat "$RES/pid"))"
-else
-  echo "benchmark ended, status $(cat "$RES/rc" 2> /dev/null || echo unknown)"
-fi
+wait_job benchmark
 tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true

@@ -27,11 +27,9 @@ if [ -n "${DISTILLED_FROM:-}" ] && [ ! -f "$RES/run/distilled.jsonl.gz" ]; then
   cp "$DISTILLED_FROM" "$RES/run/distilled.jsonl.gz"
   cp "$DISTILLED_FROM.json" "$RES/run/distilled.json"
 fi
-running() { [ -f "$RES/pid" ] && kill -0 "$(cat "$RES/pid")" 2> /dev/null; }
-if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
-  rm -rf "$RES/code" "$RES/rc"
-  mkdir -p "$RES/code"
-  tar --exclude=./.git --exclude='./.carry*' -cf - . | tar -xf - -C "$RES/code"
+source eval/device/job.sh
+if needs_start; then
+  copy_code
   # bash -c records its own pid (alive while the job goes on) and the exit status of the stage that ended it.
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="${RECIPE:-training/recipes/gemma3-270m-eagle3.json}" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" TAU_WORKERS="${TAU_WORKERS:-8}" \
@@ -49,12 +47,7 @@ if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
       echo 0 > "$0/rc"' "$RES" "$@" > /dev/null 2>&1 &)
   sleep 2
 fi
-for _ in $(seq "$WAIT"); do running || break; sleep 1; done
-if running; then
-  echo "job running (pid $(cat "$RES/pid"))"
-else
-  echo "job ended, status $(cat "$RES/rc" 2> /dev/null || echo unknown)"
-fi
+wait_job job
 tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/gemma3_head.log" 2> /dev/null || true

@@ -20,22 +20,15 @@ export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
 bash eval/device/assemble.sh
 [ -f "${STORE:-/root/carry}/.unpacked" ] || exit 0  # more pieces to come
 mkdir -p "$RES"
-running() { [ -f "$RES/pid" ] && kill -0 "$(cat "$RES/pid")" 2> /dev/null; }
-if ! running && ! [ "$(cat "$RES/rc" 2> /dev/null)" = 0 ]; then
-  rm -rf "$RES/code" "$RES/rc"
-  mkdir -p "$RES/code"
-  tar --exclude=./.git --exclude='./.carry*' -cf - . | tar -xf - -C "$RES/code"
+source eval/device/job.sh
+if needs_start; then
+  copy_code
   # bash -c records its own pid (alive while the stages run) and their exit status.
   (cd "$RES/code" && PYTHONPATH="$RES/code" RES="$RES" setsid nohup bash -c 'echo $$ > "$RES/pid";
       bash eval/device/reproduce_steps.sh >> "$RES/log" 2>&1; echo $? > "$RES/rc"' > /dev/null 2>&1 &)
   sleep 2
 fi
-for _ in $(seq "$WAIT"); do running || break; sleep 1; done
-if running; then
-  echo "reproduction running (pid $(cat "$RES/pid"))"
-else
-  echo "reproduction ended, status $(cat "$RES/rc" 2> /dev/null || echo unknown)"
-fi
+wait_job reproduction
 tail -n 20 "$RES/log" 2> /dev/null || true
 for f in "$RES"/logs/*.log; do [ -f "$f" ] && echo "== $f" && tail -n 3 "$f"; done
 if [ -n "${OUT:-}" ]; then
