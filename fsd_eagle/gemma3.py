@@ -9,6 +9,7 @@ MT-bench measurements then work on it as on any chat model. The weights are the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -89,7 +90,8 @@ def add_chat_format(folder: Path) -> None:
         raise ModelLoadError(f"the tokenizer in {folder} has no {END_OF_TURN} token: not a Gemma 3 tokenizer")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
-    generation = GenerationConfig.from_pretrained(folder)
+    saved = Path(folder) / "generation_config.json"  # read as data: a config file runs no code
+    generation = GenerationConfig.from_dict(json.loads(saved.read_text())) if saved.exists() else GenerationConfig()
     generation.eos_token_id = sorted({tokenizer.eos_token_id, end})
     generation.save_pretrained(folder)
 
