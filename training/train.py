@@ -60,12 +60,12 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
     p_top, counted = target_tops(target, f_next, draft, head.t2d if draft is not None else None)
     total = sum(recipe.unroll_decay ** j for j in range(steps))
     weights = [recipe.unroll_decay ** j / total for j in range(steps)]
+    q_ins = [pred[b, (t - j).clamp(min=0)] for j, pred in enumerate(preds)]  # [N, h]; rows t < j dropped below
+    ce_rows, q_tops = soft_cross_entropy(head, target, torch.stack(q_ins), f_next, draft)  # [steps, N] each
     loss, feats, ces, accs = 0.0, [], [], []
-    for j, pred in enumerate(preds):
+    for j, q_in in enumerate(q_ins):
         valid = (t >= j) & counted
-        q_in = pred[b, (t - j).clamp(min=0)]  # [N, h]; rows with t < j are dropped below
-        ce_rows, q_top = soft_cross_entropy(head, target, q_in, f_next, draft)
-        ce = _mean(ce_rows, valid)
+        ce = _mean(ce_rows[j], valid)
         if eagle3:
             feat, step_loss = torch.zeros_like(ce), ce
         else:
@@ -74,12 +74,12 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
         loss = loss + weights[j] * step_loss
         feats.append(feat.detach())
         ces.append(ce.detach())
-        accs.append(_mean((q_top == p_top).float(), valid))
+        accs.append(_mean((q_tops[j] == p_top).float(), valid))
     return loss, {"feat": torch.stack(feats), "ce": torch.stack(ces), "acc": torch.stack(accs)}
 
 
-# The most elements of a [rows, V] float32 logits block the loss computes at once (4 GiB): a batch whose
-# counted rows x vocabulary exceed it is taken in chunks of rows, each recomputed in the backward pass
+# The most elements of a [steps, rows, V] float32 logits block the loss computes at once (4 GiB): a batch
+# whose steps x counted rows x vocabulary exceed it is taken in chunks of rows, each recomputed in the backward pass
 # (activation checkpointing), so a 262k vocabulary never holds [tokens, V] tensors for a whole batch.
 MAX_LOGIT_ELEMENTS = 1 << 30
 
@@ -110,28 +110,31 @@ def target_tops(target: Target, f_next: torch.Tensor, draft: torch.Tensor | None
 
 def soft_cross_entropy(head: EagleHead, target: Target, q_in: torch.Tensor, f_next: torch.Tensor,
                        draft: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row ``[N]``: the soft cross-entropy of the head's prediction ``q_in`` against the target's
-    next-token distribution at ``f_next`` (eagle2: both through the target's lm_head; eagle3: the head's
-    draft logits against the target's distribution restricted to the draft vocabulary and renormalised),
-    and the prediction's top token (a draft column for eagle3). The target's logits over a draft vocabulary
-    are computed from its lm_head rows of the draft tokens alone (the same values as the whole vocabulary's
+    """Per unroll step and row ``[steps, N]``: the soft cross-entropy of the head's predictions ``q_in``
+    ``[steps, N, h]`` against the target's next-token distribution at ``f_next`` ``[N, h]`` (eagle2: both
+    through the target's lm_head; eagle3: the head's draft logits against the target's distribution
+    restricted to the draft vocabulary and renormalised), and the predictions' top tokens (draft columns for
+    eagle3). The target's distribution is computed once per block of rows for every step; over a draft
+    vocabulary from its lm_head rows of the draft tokens alone (the same values as the whole vocabulary's
     columns, at a fraction of the cost). Rows are taken in chunks (``row_chunks``), each checkpointed when
-    there are several: the same values, without [N, V] tensors kept for backward."""
+    there are several: the same values, without [steps, N, V] tensors kept for backward."""
     rows_of = None  # eagle3 with a draft vocabulary: the target's lm_head rows of the draft tokens only
     if draft is not None:
         bias = target.lm_head.bias
         rows_of = (target.lm_head.weight[draft], None if bias is None else bias[draft])
-    chunks = row_chunks(q_in.shape[0], target.vocab_size if draft is None else draft.numel())
+    vocab = target.vocab_size if draft is None else draft.numel()
+    chunks = row_chunks(q_in.shape[1], vocab * q_in.shape[0])
     if len(chunks) == 1:
         return _soft_ce_rows(head, target, rows_of, q_in, f_next)
-    parts = [checkpoint(_soft_ce_rows, head, target, rows_of, q_in[rows], f_next[rows], use_reentrant=False)
+    parts = [checkpoint(_soft_ce_rows, head, target, rows_of, q_in[:, rows], f_next[rows], use_reentrant=False)
              for rows in chunks]
-    return torch.cat([ce for ce, _ in parts]), torch.cat([top for _, top in parts])
+    return torch.cat([ce for ce, _ in parts], 1), torch.cat([top for _, top in parts], 1)
 
 
 def _soft_ce_rows(head: EagleHead, target: Target, rows_of: tuple | None, q_in: torch.Tensor,
                   f_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``soft_cross_entropy`` of one block of rows (``rows_of``: the target's lm_head rows to use, or None)."""
+    """``soft_cross_entropy`` of one block of rows, every step (``rows_of``: the target's lm_head rows to use,
+    or None)."""
     with torch.no_grad():
         p = (target.logits(f_next) if rows_of is None else target.logits(f_next, *rows_of)).softmax(-1)
     logq = torch.log_softmax(head.draft_logits(q_in) if head.config.eagle3 else target.logits(q_in), dim=-1)
