@@ -22,12 +22,18 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> Exam
     ids: list[int] = []
     mask: list[bool] = []
     for i, msg in enumerate(messages):
-        full = _template(tokenizer, messages[: i + 1])
+        full = template_ids(tokenizer, messages[: i + 1])
         new = full[len(ids):]
         ids = full
         mask.extend([msg["role"] == "assistant"] * len(new))
         if len(ids) >= max_len:
             break
+    return make_example(ids, mask, max_len)
+
+
+def make_example(ids: list[int], mask: list[bool], max_len: int) -> Example | None:
+    """The first ``max_len`` tokens and their mask as an Example; None when no token after the first is
+    marked (nothing to learn)."""
     ids, mask = ids[:max_len], mask[:max_len]
     if not any(mask[1:]):
         return None
@@ -43,8 +49,9 @@ def rank_tokens(examples: list[Example], vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(np.argsort(-counts, kind="stable"))
 
 
-def _template(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+def template_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template (with the generation prompt if asked)."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 

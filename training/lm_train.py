@@ -14,21 +14,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from fsd_eagle.errors import InputError
 
-from .features import Example, collate, make_batches
+from .features import Example, collate, make_batches, make_example, template_ids
 from .lm_recipe import LMRecipe
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
-
-
-def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def tokenize_answers(tokenizer, messages: list[dict], max_len: int, eos_ids: frozenset) -> Example | None:
@@ -40,9 +34,9 @@ def tokenize_answers(tokenizer, messages: list[dict], max_len: int, eos_ids: fro
     ids: list[int] = []
     mask: list[bool] = []
     for i, msg in enumerate(messages):
-        full = _template(tokenizer, messages[: i + 1], False)
+        full = template_ids(tokenizer, messages[: i + 1])
         if msg["role"] == "assistant":
-            prompt = _template(tokenizer, messages[:i], True)
+            prompt = template_ids(tokenizer, messages[:i], generation_prompt=True)
             start = len(prompt) if full[: len(prompt)] == prompt else len(ids)
             answer = full[start:]
             end = next((k + 1 for k, t in enumerate(answer) if t in eos_ids), len(answer))
@@ -52,10 +46,7 @@ def tokenize_answers(tokenizer, messages: list[dict], max_len: int, eos_ids: fro
         ids = full
         if len(ids) >= max_len:
             break
-    ids, mask = ids[:max_len], mask[:max_len]
-    if not any(mask[1:]):
-        return None
-    return Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+    return make_example(ids, mask, max_len)
 
 
 def find_eos_ids(model, tokenizer) -> frozenset:
