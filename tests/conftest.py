@@ -180,3 +180,20 @@ def sample_pairs_on(session, prompt, rule, n: int, seed: int):
         counts[tuple(out)] += 1
         accepted += stats.accept_lengths[0] > 1
     return counts, accepted / n
+
+
+def spy_generate(monkeypatch, counts, value) -> list:
+    """Patch SpeculativeGenerator.generate to append ``value(kwargs)`` to the returned list before each call
+    whose prompt ``counts(prompt)`` (benchmarks' calls, counted by tests)."""
+    from fsd_eagle.api import SpeculativeGenerator
+
+    calls = []
+    real = SpeculativeGenerator.generate
+
+    def spying(self, prompt, *args, **kwargs):
+        if counts(prompt):
+            calls.append(value(kwargs))
+        return real(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", spying)
+    return calls

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import spy_generate
 from test_api import make_llama, make_tokenizer, save_target_and_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eval/ is not installed: import it from the checkout
@@ -41,16 +42,8 @@ def args(folders, out, *extra, methods="ar,eagle2", sizes="1,2"):
 @pytest.fixture
 def list_calls(monkeypatch):
     """Counts generate calls given a list of prompts (the benchmark's warm-up and timed calls)."""
-    calls = []
-    real = SpeculativeGenerator.generate
-
-    def counting(self, prompt, *a, **kw):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            calls.append(kw.get("batch_size"))
-        return real(self, prompt, *a, **kw)
-
-    monkeypatch.setattr(SpeculativeGenerator, "generate", counting)
-    return calls
+    return spy_generate(monkeypatch, lambda prompt: isinstance(prompt, list) and prompt and isinstance(prompt[0], list),
+                        lambda kw: kw.get("batch_size"))
 
 
 def test_rows_have_the_schema(folders, tmp_path, capsys):

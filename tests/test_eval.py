@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import spy_generate
 from test_api import make_llama, save_target_and_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eval/ is not installed: import it from the checkout
@@ -48,16 +49,7 @@ def sweep_args(folders, out, *extra):
 @pytest.fixture
 def count_generate(monkeypatch):
     """Counts the benchmark's generate calls (prompts given as token ids; the warm-up passes text)."""
-    calls = []
-    real = SpeculativeGenerator.generate
-
-    def counting(self, prompt, *args, **kwargs):
-        if not isinstance(prompt, str):
-            calls.append(kwargs.get("fuzzy"))
-        return real(self, prompt, *args, **kwargs)
-
-    monkeypatch.setattr(SpeculativeGenerator, "generate", counting)
-    return calls
+    return spy_generate(monkeypatch, lambda prompt: not isinstance(prompt, str), lambda kw: kw.get("fuzzy"))
 
 
 # ------------------------------------------------------------------------------------------------ sweep
