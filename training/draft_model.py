@@ -21,8 +21,8 @@ import torch
 from fsd_eagle.errors import ConfigError, InputError
 
 from .lm_recipe import LMRecipe, find_field_problem
-from .lm_train import (check_resumable, export_model, find_eos_ids, read_train_seconds, run_command, split_validation,
-                       tokenize_answers, train_lm)
+from .lm_train import (add_run_options, check_resumable, export_model, find_eos_ids, read_train_seconds, run_command,
+                       split_validation, tokenize_answers, train_lm)
 
 MODEL_DIR = "model"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -173,12 +173,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="run folder: checkpoint/ while distilling, model/ at the end")
     p.add_argument("--data", action="append", help="conversation file(s) to distill on (none: no distillation)")
     p.add_argument("--recipe", help="distillation recipe JSON (training/recipes/*draft*.json; default: built-in)")
-    p.add_argument("--max-steps", type=int, help="cap on the distillation steps (the LR schedule is fitted to it)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default as for generate)")
-    p.add_argument("--resume", action="store_true", help="continue the distillation from OUT/checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="delete OUT's previous run first")
-    p.add_argument("--stop-after", type=float,
-                   help="end this call after that many seconds of distillation, with a checkpoint to --resume from")
+    add_run_options(p, "distillation")
     args = p.parse_args(argv)
     return run_command(run_draft_model, args, "distillation")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from fsd_eagle.errors import InputError
 
 from .lm_recipe import LMRecipe, find_field_problem
-from .lm_train import (check_resumable, export_model, find_eos_ids, read_train_seconds, run_command, split_validation,
-                       tokenize_answers, train_lm)
+from .lm_train import (add_run_options, check_resumable, export_model, find_eos_ids, read_train_seconds, run_command,
+                       split_validation, tokenize_answers, train_lm)
 
 MODEL_DIR = "model"
 
@@ -135,13 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="local target folder (overrides the recipe; default: SmolLM2-135M-Instruct)")
     p.add_argument("--data", action="append", help="conversation file(s) (override the recipe)")
     p.add_argument("--epochs", type=int)
-    p.add_argument("--max-steps", type=int, help="cap on the run's steps (the LR schedule is fitted to it)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default as for generate)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="delete OUT's previous run first")
-    p.add_argument("--stop-after", type=float,
-                   help="end this call after that many seconds of training, with a checkpoint to --resume from")
+    add_run_options(p, "training")
 
 
 def main(argv: list[str]) -> int:

@@ -294,3 +294,14 @@ def run_command(run, args, stage: str) -> int:
               "--resume", file=sys.stderr)
         return 130
 
+
+def add_run_options(p, stage: str) -> None:
+    """The options every model-training command shares (``stage``: what runs, e.g. "training")."""
+    p.add_argument("--max-steps", type=int, help=f"cap on the {stage} steps (the LR schedule is fitted to it)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default as for generate)")
+    p.add_argument("--resume", action="store_true", help=f"continue the {stage} from OUT/checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete OUT's previous run first")
+    p.add_argument("--stop-after", type=float,
+                   help=f"end this call after that many seconds of {stage}, with a checkpoint to --resume from")
+
