@@ -1,6 +1,7 @@
 """Tensor-parallel targets (fsd_eagle.parallel): tiny random Llama and Qwen3 targets sharded over two CPU
 processes by transformers' tensor parallelism (gloo) decode exactly what they decode unsharded (fp32,
-greedy): plain decoding, EAGLE-2 with a random head, a draft model, and a batch of prompts. Then the
+greedy): plain decoding, EAGLE-2 with a random head, a draft model, and a batch of prompts; and sampled
+with a seed, the same tokens as unsharded. Then the
 one-line errors: a tp_size that does not divide the heads, a launch of another size, no torchrun, no NCCL.
 
 The GPU version (NCCL, CUDA graphs, two GPUs) is eval/device/tp_check.py."""
@@ -43,6 +44,10 @@ def decode_all(folder: Path, head: Path, tp_size: int, device: str = "cpu") -> d
         r = gen.generate(PROMPTS[0], NEW_TOKENS, chat=False)
         out[name] = r.token_ids
         out[f"{name}_tau"] = r.stats.tau
+        # Sampling (recursive rejection with this seed's random stream): every rank draws the same numbers
+        # and sees the same gathered logits, so it samples what the unsharded target samples (whose
+        # distribution the chi-square tests check).
+        out[f"{name}_sampled"] = gen.generate(PROMPTS[1], NEW_TOKENS, temperature=0.9, seed=3, chat=False).token_ids
     return out
 
 
@@ -138,7 +143,7 @@ def test_two_ranks_decode_what_one_decodes(folders):
         assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
         for arch in ARCHS:
             ref, tp = reference[arch], got[arch]
-            for case in ("ar", "head", "draft_model", "batch"):
+            for case in ("ar", "head", "draft_model", "batch", "head_sampled", "draft_model_sampled"):
                 assert tp[case] == ref[case], f"{arch} {case} rank {rank}: {tp[case]} != {ref[case]}"
             assert len(ref["ar"]) == NEW_TOKENS
             assert tp["draft_model_tau"] == ref["draft_model_tau"] > 2  # long accepted paths were committed
