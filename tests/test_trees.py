@@ -234,7 +234,9 @@ def test_batch_candidates_and_arguments():
     assert tune.smaller_trees(TreeConfig(7, 6, 1)) == [TreeConfig(3, 2, 1)]
     assert tune.batch_candidates(TreeConfig(8, 3, 2), [TreeConfig(4, 2, 2), TreeConfig(6, 2, 3)]) == [
         tune.AR, TreeConfig(8, 3, 2), TreeConfig(4, 2, 2), TreeConfig(2, 1, 1), TreeConfig(6, 2, 3)]
-    assert [tune.batch_prompt_count(b, 4) for b in (1, 2, 3, 8, 32)] == [4, 4, 6, 8, 32]
+    assert [tune.batch_prompt_count(b, 4, 1) for b in (1, 2, 3, 8, 32)] == [4, 4, 6, 8, 32]
+    assert [tune.batch_prompt_count(b, 4) for b in (1, 2, 3, 8, 32)] == [4, 8, 12, 32, 128]
+    assert tune.batch_prompt_count(3, 13, 2) == 15
     assert tune._buckets("32,1,8,8") == (1, 8, 32)
     for bad in ("3", "0", "128", "1,x", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="batch sizes"):
@@ -434,3 +436,42 @@ def test_a_preset_records_the_heads_weights(tmp_path):
     weights = next(head.glob("*.safetensors"))
     assert head_weights_sha256(head) == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert head_weights_sha256(None) is None and head_weights_sha256(tmp_path / "none") is None
+
+
+def test_tuner_writes_each_bucket_at_once_and_resume_keeps_them(tmp_path, monkeypatch):
+    """``python -m trees.tune --batch-sizes 2,4``: bucket 2 is in the presets file before bucket 4 is
+    measured, so a run that dies in bucket 4 keeps it; ``--resume`` with the same command then measures only
+    bucket 4 and leaves bucket 2 as it was; another command measures both again."""
+    from test_api import save_target_and_head
+
+    folders = save_target_and_head(tmp_path / "models", head_seed=3)
+    out = tmp_path / "presets.json"
+    argv = ["--device", "cpu", "--threads", "1", "--target", str(folders / "target"), "--head", str(folders / "head"),
+            "--out", str(out), "--batch-sizes", "2,4", "--max-new-tokens", "3", "--validate", "1",
+            "--batch-fill", "1"]
+    measured, real = [], tune.tune_batch
+
+    def failing_at_4(gen, prompts, candidates, b, **kw):
+        measured.append((b, len(prompts)))
+        if b == 4:
+            raise RuntimeError("died in bucket 4")
+        return real(gen, prompts, candidates, b, **kw)
+
+    monkeypatch.setattr(tune, "tune_batch", failing_at_4)
+    with pytest.raises(RuntimeError, match="bucket 4"):
+        tune.main(argv)
+    table = json.loads(out.read_text())
+    (model,) = table
+    assert set(table[model]["cpu"]["batch"]) == {"2"}
+    first = table[model]["cpu"]["batch"]["2"]
+    assert "--resume" not in first["measured"]["command"] and "--batch-fill 1" in first["measured"]["command"]
+
+    monkeypatch.setattr(tune, "tune_batch", lambda *a, **kw: (measured.append((a[3], len(a[1]))), real(*a, **kw))[1])
+    measured.clear()
+    assert tune.main(argv + ["--resume"]) == 0
+    assert measured == [(4, 4)]
+    table = json.loads(out.read_text())
+    assert set(table[model]["cpu"]["batch"]) == {"2", "4"} and table[model]["cpu"]["batch"]["2"] == first
+    measured.clear()
+    assert tune.main(argv[:-1] + ["2", "--resume"]) == 0  # --batch-fill 2: another command, both again
+    assert measured == [(2, 4), (4, 8)]

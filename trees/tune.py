@@ -37,11 +37,13 @@ Method (greedy decoding, exact rule):
 Batch buckets (``--batch-sizes``, powers of two 1 to 64; default 1). Bucket 1 is the method above: the device
 entry's own tree. For each larger bucket B, a few candidates (the bucket-1 winner, trees derived from it by
 halving its size, any ``--batch-trees``, and plain autoregressive decoding) are measured through the public
-API, ``gen.generate(prompts, batch_size=B)`` over ``max(B, --validate)`` prompts rounded up to whole batches:
+API, ``gen.generate(prompts, batch_size=B)`` over ``max(--batch-fill x B, --validate)`` prompts rounded up to
+whole batches (several batches, so that finished rows are refilled as in use):
 throughput = new tokens of all prompts / wall time, the candidates in rotating order over
 ``--batch-repeats`` passes. The fastest, autoregressive decoding included, is written under the device
 entry's "batch" object (fsd_eagle.trees_presets documents the format). Without bucket 1 in the list, the
-winner is the presets file's current tree for the target and device.
+winner is the presets file's current tree for the target and device. Each bucket is written as soon as it is
+measured; ``--resume`` keeps the buckets that the same command already wrote (an interrupted run goes on).
 """
 
 from __future__ import annotations
@@ -599,9 +601,12 @@ def batch_candidates(winner: TreeConfig, extra: Sequence[TreeConfig] = (), small
     return list(dict.fromkeys([AR, winner, *smaller_trees(winner, smaller), *extra]))
 
 
-def batch_prompt_count(batch_size: int, least: int) -> int:
-    """Prompts a bucket decodes: at least ``least`` and one batch, rounded up to whole batches."""
-    return math.ceil(max(batch_size, least) / batch_size) * batch_size
+def batch_prompt_count(batch_size: int, least: int, batches: int = 4) -> int:
+    """Prompts a bucket decodes: at least ``least`` and ``batches`` batches, rounded up to whole batches.
+    More prompts than rows keep continuous refill running as it does in use: with a single batch, every row
+    waits for the slowest one at the end, a tail that tree decoding (rows finish at different rounds) pays
+    and autoregressive decoding (every row takes the same number of steps) does not."""
+    return math.ceil(max(batch_size * batches, least) / batch_size) * batch_size
 
 
 def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batch_size: int, *,
@@ -691,6 +696,19 @@ def device_description(device: torch.device, threads: int) -> str:
     return f"cpu: {name}, {os.cpu_count()} cores, {threads} torch thread(s), load average {load:.1f} at start"
 
 
+def tuned_buckets(path: Path, model: str, device_type: str, command: str) -> dict[int, dict]:
+    """The buckets of ``path``'s entry for a model and device type that a tuner run of ``command`` wrote
+    (their measured "command"), by bucket: what --resume keeps. Empty if the file is absent."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    entry = json.loads(path.read_text(encoding="utf-8")).get(model, {}).get(device_type, {})
+    found = {int(b): e for b, e in entry.get("batch", {}).items()}
+    if "tree" in entry:
+        found[1] = {k: v for k, v in entry.items() if k != "batch"}
+    return {b: e for b, e in found.items() if e.get("measured", {}).get("command") == command}
+
+
 def write_preset(path: Path, model: str, device_type: str, entry: dict, bucket: int = 1) -> None:
     """Set the presets file's entry for a model, device type and batch bucket, keeping the rest: bucket 1
     replaces the device entry's own "tree" and "measured" (its "batch" object kept), a larger bucket that
@@ -772,11 +790,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-trees", type=_trees, default=(), metavar="T/D/K,...",
                    help="more candidates for every bucket above 1")
     p.add_argument("--batch-repeats", type=int, default=1, help="timed passes over a bucket's prompts per candidate")
+    p.add_argument("--batch-fill", type=int, default=4,
+                   help="batches of prompts a bucket decodes (prompts = this x B), so that refills run as in use")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the buckets that --out already holds from this same command and tune the others")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores that the load average leaves idle, at least 1)")
     a = p.parse_args(argv)
-    if a.batch_repeats < 1:
-        p.error(f"--batch-repeats must be >= 1, got {a.batch_repeats}")
+    for flag, value in (("--batch-repeats", a.batch_repeats), ("--batch-fill", a.batch_fill)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
 
     cores = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -795,9 +818,18 @@ def main(argv: list[str] | None = None) -> int:
     name = model_name(gen.target.model.config)
     batches = [b for b in a.batch_sizes if b > 1]
     single = (a.prompts if a.trees is None else a.validate) if 1 in a.batch_sizes else 0
-    texts = held_out_prompts(max([single] + [batch_prompt_count(b, a.validate) for b in batches]))
+    texts = held_out_prompts(max([single] + [batch_prompt_count(b, a.validate, a.batch_fill) for b in batches]))
     prompts = [gen.encode(text) for _, text in texts]
-    command = "python -m trees.tune " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m trees.tune " + " ".join(x for x in (sys.argv[1:] if argv is None else argv) if x != "--resume")
+    done = tuned_buckets(a.out, name, a.device, command) if a.resume else {}
+
+    def save(b: int, entry: dict) -> None:
+        """Write bucket ``b`` at once (a later bucket's failure keeps it; --resume skips it)."""
+        if a.dry_run:
+            return
+        write_preset(a.out, name, a.device, entry, bucket=b)
+        tree = entry["tree"] if isinstance(entry["tree"], str) else TreeConfig(**entry["tree"]).label
+        _log(f"wrote {name}/{a.device}" + (f"/batch {b}" if b > 1 else "") + f" = {tree} to {a.out}")
 
     def described(entry: dict, sources: list[str], extra: dict) -> dict:
         """The entry with the run's description (date, device, versions, command, head, prompts) first."""
@@ -811,8 +843,10 @@ def main(argv: list[str] | None = None) -> int:
             "head": str(a.head) if a.head else "shipped head", "head_sha256": head_sha,
             "prompts": sources, **extra, **m}}
 
-    entries: dict[int, dict] = {}
-    if single:
+    entries: dict[int, dict] = dict(done)
+    if single and 1 in done:
+        _log(f"{name} on {a.device}: bucket 1 kept from {a.out} (--resume)")
+    elif single:
         if a.trees is not None:
             _log(f"{name} on {a.device}: {len(a.trees)} trees measured on {single} prompts")
             entry = tune_shortlist(gen, prompts[:single], a.trees, max_new_tokens=a.max_new_tokens)
@@ -824,21 +858,21 @@ def main(argv: list[str] | None = None) -> int:
                          finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats)
             grid = {"grid": {"total_tokens": list(a.totals), "depth": list(a.depths), "top_k": list(a.top_ks)}}
         entries[1] = described(entry, [src for src, _ in texts[:single]], grid)
+        save(1, entries[1])
     winner = TreeConfig(**entries[1]["tree"]) if single else preset_for(name, a.device, a.out)
     for b in batches:
-        n = batch_prompt_count(b, a.validate)
+        if b in done:
+            _log(f"{name} on {a.device}, batch {b}: kept from {a.out} (--resume)")
+            continue
+        n = batch_prompt_count(b, a.validate, a.batch_fill)
         candidates = batch_candidates(winner, a.batch_trees)
         _log(f"{name} on {a.device}, batch {b}: {', '.join(c.label for c in candidates)} on {n} prompts")
         entry = tune_batch(gen, prompts[:n], candidates, b, max_new_tokens=a.max_new_tokens, repeats=a.batch_repeats)
         entries[b] = described(entry, [src for src, _ in texts[:n]], {"bucket_1_tree": winner.label})
+        save(b, entries[b])
     print(json.dumps({name: {a.device: {**entries.get(1, {}),
                                         **({"batch": {str(b): entries[b] for b in batches}} if batches else {})}}},
                      indent=2))
-    if not a.dry_run:
-        for b, entry in entries.items():
-            write_preset(a.out, name, a.device, entry, bucket=b)
-            tree = entry["tree"] if isinstance(entry["tree"], str) else TreeConfig(**entry["tree"]).label
-            _log(f"wrote {name}/{a.device}" + (f"/batch {b}" if b > 1 else "") + f" = {tree} to {a.out}")
     return 0
 
 

@@ -8,11 +8,13 @@
 # command replaces the working tree), and every command then waits up to $WAIT seconds (default 540, or until
 # the run ends) and copies the partial result file and the log to $OUT. The result file is rewritten after
 # every row; a run that died is restarted with --resume and keeps its finished rows. RESUME_FROM=<file> seeds
-# a fresh host with a result file brought back from an earlier one (it must travel with the tree).
+# a fresh host with a result file brought back from an earlier one (it must travel with the tree); PRESETS_FROM
+# the same with a presets file of an interrupted tuner run.
 # Default options: --device cuda --dtype bfloat16 --compile --hf-limit 16 (all batch sizes, methods, prompts);
 # options given here are appended (a later option wins). TUNE=4,8,16,32,64 first runs the tree tuner for those
-# batch buckets (python -m trees.tune --compile, written into the copy's fsd_eagle/presets.json, which the
-# benchmark then uses and which is copied to $OUT), once: a restarted run keeps the tuned presets.
+# batch buckets (python -m trees.tune --compile --resume into $RES/presets.json, each bucket written as it is
+# measured and copied to $OUT by every command; the benchmark then uses it), once: a restarted run keeps the
+# buckets already tuned.
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -25,17 +27,20 @@ bash eval/device/assemble.sh
 [ -f "${STORE:-/root/carry}/.unpacked" ] || exit 0  # more pieces to come
 mkdir -p "$RES"
 if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RES/gpu_batch.json" ]; then cp "$RESUME_FROM" "$RES/gpu_batch.json"; fi
+if [ -n "${PRESETS_FROM:-}" ] && [ ! -f "$RES/presets.json" ]; then cp "$PRESETS_FROM" "$RES/presets.json"; fi
 source eval/device/job.sh
 if needs_start; then
   copy_code
   if [ -f "$RES/presets.json" ]; then cp "$RES/presets.json" "$RES/code/fsd_eagle/presets.json"; fi
   # bash -c records its own pid (alive while the run goes on) and the exit status of the tuner or benchmark.
   (cd "$RES/code" && PYTHONPATH="$RES/code" TUNE="${TUNE:-}" setsid nohup bash -c 'echo $$ > "$0/pid";
-      if [ -n "$TUNE" ] && [ ! -f "$0/presets.json" ]; then
-        python3 -m trees.tune --device cuda --dtype bfloat16 --compile --batch-sizes "$TUNE" \
-            --out fsd_eagle/presets.json >> "$0/log" 2>&1 || { echo $? > "$0/rc"; exit; }
-        cp fsd_eagle/presets.json "$0/presets.json"
+      if [ -n "$TUNE" ] && [ ! -f "$0/tuned" ]; then
+        [ -f "$0/presets.json" ] || cp fsd_eagle/presets.json "$0/presets.json"
+        python3 -m trees.tune --device cuda --dtype bfloat16 --compile --batch-sizes "$TUNE" --resume \
+            --out "$0/presets.json" >> "$0/log" 2>&1 || { echo $? > "$0/rc"; exit; }
+        touch "$0/tuned"
       fi
+      if [ -f "$0/presets.json" ]; then cp "$0/presets.json" fsd_eagle/presets.json; fi
       python3 -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume \
           --output "$0/gpu_batch.json" ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' \
       "$RES" "$@" > /dev/null 2>&1 &)
