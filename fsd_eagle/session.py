@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import compile_cache
 from .config import TreeConfig
 from .decode import (RoundResult, RoundState, capture, capture_first, compiled_prefill, compiled_round, prefill,
                      prefill_bucket, round_attention, run_round)
@@ -282,8 +283,12 @@ class Session:
             # hold the session's objects), ~30-60 s each, to save ~2 ms per prompt; batch sessions prefill
             # several prompts per forward instead.
             compiled = self.compile and self.batch == 1
+            if compiled:
+                compile_cache.restore()
             candidates = ([functools.partial(compiled_prefill(), *args)] if compiled else []) + [fn]
             found = capture_first(candidates, self._prefill_state(pre))
+            if compiled and found is not None:
+                compile_cache.store()
             entry = self.prefills[key] = (ids, length, fn, found)  # found None: this bucket runs eagerly
         _, _, fn, captured = entry
         if captured is None:
@@ -301,10 +306,14 @@ class Session:
         for compiled, backend in options:
             self.compile, self.attention = compiled, backend
             self._apply_attention()
+            if compiled:
+                compile_cache.restore()
             fn = compiled_round(self.batch > 1) if compiled else run_round
             found = capture(functools.partial(fn, self.target, self.drafter, self.state, self.tree, self.form),
                             self._round_state())
             if found is not None:
+                if compiled:
+                    compile_cache.store()
                 return found
         return None
 

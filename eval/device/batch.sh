@@ -28,6 +28,10 @@ bash eval/device/assemble.sh
 mkdir -p "$RES"
 if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RES/gpu_batch.json" ]; then cp "$RESUME_FROM" "$RES/gpu_batch.json"; fi
 if [ -n "${PRESETS_FROM:-}" ] && [ ! -f "$RES/presets.json" ]; then cp "$PRESETS_FROM" "$RES/presets.json"; fi
+# Compiled kernels (fsd_eagle.compile_cache): kept in $RES/kernels.bin and copied to $OUT, so that KERNELS_FROM
+# can seed the next fresh host of the same GPU type and versions with them.
+export FSD_EAGLE_COMPILE_CACHE=${FSD_EAGLE_COMPILE_CACHE:-$RES/kernels.bin}
+if [ -n "${KERNELS_FROM:-}" ] && [ ! -f "$FSD_EAGLE_COMPILE_CACHE" ]; then cp "$KERNELS_FROM" "$FSD_EAGLE_COMPILE_CACHE"; fi
 source eval/device/job.sh
 if needs_start; then
   copy_code
@@ -50,5 +54,5 @@ wait_job benchmark
 tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
-  cp "$RES/gpu_batch.json" "$RES/presets.json" "$OUT/" 2> /dev/null || true
+  cp "$RES/gpu_batch.json" "$RES/presets.json" "$FSD_EAGLE_COMPILE_CACHE" "$OUT/" 2> /dev/null || true
 fi

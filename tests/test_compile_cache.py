@@ -1,0 +1,75 @@
+"""The portable compile cache (fsd_eagle.compile_cache, FSD_EAGLE_COMPILE_CACHE): a process that compiled
+writes its kernels to the file; a process on a "fresh machine" (an empty local inductor cache) that loads
+the file compiles the same function from cache hits, one that does not load it compiles from scratch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from fsd_eagle import compile_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Compiles a small function that stands in for a round, then stores (or not) and prints inductor's counters.
+CHILD = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from fsd_eagle import compile_cache
+loaded = compile_cache.restore() if sys.argv[1] == "restore" else False
+def step(x, w):
+    return torch.softmax((x @ w).relu() * 0.5, -1).sum(0)
+torch.compile(step)(torch.randn(16, 32), torch.randn(32, 8))
+size = compile_cache.store()
+print(json.dumps({"loaded": loaded, "stored": size, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def _has_cpu_compiler() -> bool:
+    include = sysconfig.get_paths().get("include", "")
+    return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
+
+
+def _child(tmp_path: Path, local_cache: str, mode: str, env_file: Path | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / local_cache),
+           "OMP_NUM_THREADS": "1"}
+    env.pop(compile_cache.ENV, None)
+    if env_file is not None:
+        env[compile_cache.ENV] = str(env_file)
+    done = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+def test_a_fresh_machine_that_loads_the_file_compiles_from_cache_hits(tmp_path):
+    kernels = tmp_path / "out" / "kernels.bin"
+    first = _child(tmp_path, "machine_a", "restore", kernels)
+    assert first["loaded"] is False and first["misses"] >= 1 and first["hits"] == 0
+    assert first["stored"] == kernels.stat().st_size > 0
+    assert not list(kernels.parent.glob(".*.tmp"))  # written through a temporary file, then renamed
+    cold = _child(tmp_path, "machine_b", "none", None)  # no file: compiles from scratch
+    assert cold["hits"] == 0 and cold["misses"] >= 1 and cold["stored"] == 0
+    warm = _child(tmp_path, "machine_c", "restore", kernels)
+    assert warm["loaded"] is True and warm["hits"] >= 1 and warm["misses"] == 0
+
+
+def test_unset_does_nothing_and_a_broken_file_is_a_warning(tmp_path, monkeypatch):
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    assert compile_cache.cache_file() is None and compile_cache.restore() is False and compile_cache.store() == 0
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "missing.bin"))
+    assert compile_cache.restore() is False  # nothing to load yet
+    broken = tmp_path / "broken.bin"
+    broken.write_bytes(b"not a cache")
+    monkeypatch.setenv(compile_cache.ENV, str(broken))
+    with pytest.warns(UserWarning, match="not a compile cache"):
+        assert compile_cache.restore() is False
+    assert compile_cache.restore() is False  # once per process and file: no second warning
