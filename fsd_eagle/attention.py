@@ -83,12 +83,16 @@ def _block_mask(mask: SlotMask):
         raise ConfigError(f"a FlexAttention cache needs a multiple of {FLEX_BLOCK} slots, got {s}")
     nq, nk = whole_blocks(n) // FLEX_BLOCK, s // FLEX_BLOCK
     cols = torch.arange(nk, dtype=torch.int32, device=mask.anc.device)
-    full = mask.prefix // FLEX_BLOCK if mask.window is None else torch.zeros_like(mask.prefix)  # [B]
-    last = (mask.prefix + m - 1) // FLEX_BLOCK
+    last = (mask.prefix + m - 1) // FLEX_BLOCK  # [B]
+    windowed = mask.window is not None
+    full = torch.zeros_like(mask.prefix) if windowed else mask.prefix // FLEX_BLOCK  # [B]
 
-    def lists(count: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """count [B, 1, nq] and indices [B, 1, nq, nk]: blocks first, first + 1, ... (in range) per row."""
-        index = (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
+    def lists(count: torch.Tensor, first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """count [B, 1, nq] and indices [B, 1, nq, nk]: blocks first, first + 1, ... (in range) per row; blocks
+        0, 1, ... where ``first`` is None. (Not cols plus a zero tensor: inductor drops such an addition after
+        comparing its shape [B, nk] with cols' [nk], and the comparison fixes a symbolic batch size B to nk
+        where the two are equal, so that each batch size compiles again.)"""
+        index = cols.expand(b, nk) if first is None else (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
         return (count.to(torch.int32).view(b, 1, 1).expand(b, 1, nq).contiguous(),
                 index.view(b, 1, 1, nk).expand(b, 1, nq, nk).contiguous())
 
@@ -97,7 +101,8 @@ def _block_mask(mask: SlotMask):
     def mask_mod(batch, h, q_idx, kv_idx):
         return dense[batch, q_idx, kv_idx]
 
-    return BlockMask.from_kv_blocks(*lists(last - full + 1, full), *lists(full, torch.zeros_like(full)),
+    partial = lists(last + 1, None) if windowed else lists(last - full + 1, full)
+    return BlockMask.from_kv_blocks(*partial, *lists(full, None),
                                     BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(n, s),
                                     compute_q_blocks=False)
 

@@ -37,12 +37,21 @@ class SlotCache(Cache):
         self.keys = list(self.kv[0].unbind(0))
         self.values = list(self.kv[1].unbind(0))
         self.write_slots = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        # Index tensors of a layer's write (keys and values, every row and head; slots come last).
+        # Index tensors of a layer's write (keys and values, every row and head; slots come last). The row
+        # index is a tensor of its own, not a view: a compiled round would take a view's base as one more
+        # input with a batch dimension.
         self._kv_index = torch.arange(2, device=device).view(2, 1, 1, 1)
         self._layer_index = [torch.full((1, 1, 1, 1), i, dtype=torch.long, device=device) for i in range(num_layers)]
-        self._row_index = torch.arange(batch, device=device).view(1, batch, 1, 1)
+        self._row_index = torch.arange(batch, device=device).view(1, batch, 1, 1).clone()
         self._head_index = torch.arange(num_kv_heads, device=device).view(1, 1, num_kv_heads, 1)
         self._layers = torch.arange(num_layers, device=device)
+
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """This cache's tensors with a batch dimension, each with that dimension's index (see
+        ``decode.mark_batch_dynamic``): ``kv`` (2), its per-layer views ``keys`` and ``values``
+        ``[B, H_kv, S, D]`` (0), ``write_slots`` (0) and the row index ``[1, B, 1, 1]`` (1)."""
+        views = [(t, 0) for t in self.keys + self.values]
+        return [(self.kv, 2), (self.write_slots, 0), (self._row_index, 1)] + views
 
     def set_write_slots(self, slots: torch.Tensor) -> None:
         """Where the next forward's n tokens of each row go, ``[B, n]`` (in place: a captured graph keeps the

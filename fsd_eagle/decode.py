@@ -83,6 +83,12 @@ class RoundState:
         return cls(torch.zeros(batch, dtype=torch.long, device=device), RuleValues.create(device, batch),
                    RandomStream.create(device, batch=batch), torch.zeros(batch, dtype=torch.bool, device=device))
 
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor with its batch dimension (0; see ``mark_batch_dynamic``)."""
+        roots = [t for t in (self.root_logits, self.root_state) if t is not None]
+        own = [(t, 0) for t in [self.root_token, self.active] + roots]
+        return own + self.values.batch_tensors() + self.rng.batch_tensors()
+
     def load_root(self, rows: torch.Tensor | None, root_token: torch.Tensor, root: DraftRoot | None) -> None:
         """Rows ``rows`` (an index tensor; None: every row) take a prefill's first tokens and draft roots."""
         if root is not None and (self.root_logits is None or self.root_logits.shape[1:] != root.logits.shape[1:]):
@@ -188,18 +194,19 @@ def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState,
     return next_tokens
 
 
-# Graphs dynamo may keep per compiled function: one per tree/rule form, batch and cache size (rounds), per
-# form and prompt bucket (prefills). Past its default limit of 8, dynamo silently runs the function eagerly,
-# which the graph would capture as slow eager kernels (seen with 5 trees in one process).
+# Graphs dynamo may keep per compiled function: one per tree/rule form and cache size (rounds: one-row and
+# batched ones apart), per form and prompt bucket (prefills). Past its default limit of 8, dynamo silently runs
+# the function eagerly, which the graph would capture as slow eager kernels (seen with 5 trees in one process).
 RECOMPILE_LIMIT = 64
 
 
 def _compile(fn, dynamic: bool = False):
-    """``fn`` compiled by inductor. Static shapes, or with ``dynamic`` dynamo's automatic dynamic shapes: a
-    dimension that differs from an earlier compilation (the batch size of another session) becomes
-    symbolic, so that one compilation serves every later size. Duck sizing (one symbol for dimensions that
-    happen to be equal, such as a batch of 8 and a top-k of 8) is turned off while tracing: it would tie
-    the batch to the tree and compile again for the next size."""
+    """``fn`` compiled by inductor. Static shapes, or with ``dynamic``: symbolic for the dimensions that its
+    caller marks (``mark_batch_dynamic``) from the first compilation on, and, by dynamo's automatic dynamic
+    shapes, for any other dimension once it differs from an earlier compilation (a prefill's padded prompt
+    length). Duck sizing (one symbol for dimensions that happen to be equal, such as a batch of 8 and a
+    top-k of 8) is turned off while tracing: it would tie the batch to the tree and compile again for the
+    next size."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=None if dynamic else False)
     if not dynamic:
@@ -213,15 +220,43 @@ def _compile(fn, dynamic: bool = False):
     return call
 
 
+def mark_batch_dynamic(*holders) -> None:
+    """Mark the batch dimension of every tensor that ``holders`` (objects with ``batch_tensors()``, such as
+    Target, SlotDrafter and RoundState; None is skipped) hold as dynamic, so that the next compilation that
+    reads them keeps the batch size symbolic: it then serves every batch size >= 2 (dynamo specializes sizes
+    0 and 1). ``maybe_mark_dynamic``: where code fixes a size the dimension quietly stays static (another
+    size then compiles again) instead of failing. A mark belongs to the tensor object: tensors allocated
+    later need marking again (marking twice does nothing)."""
+    for holder in holders:
+        if holder is None:
+            continue
+        for tensor, dim in holder.batch_tensors():
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 @functools.cache
 def compiled_round(batched: bool = False):
     """``run_round`` compiled by inductor: fuses a round's many small kernels (norms, rotary, masks, tree
     bookkeeping, the sampling rule's random numbers; on the H200 a compiled round took 3.6 ms against 6.5 ms)
-    before graph capture. dynamo compiles per tree, rule form and cache shape, not per rule value; one-row
-    rounds with static shapes, ``batched`` ones (B > 1) with the batch size symbolic once a second size
-    appears: on an H200 sessions of 32 and 64 rows then started in 0.7-1.0 s instead of 50-90 s, their
-    rounds replaying within 4% of static ones (eval/results/gpu_batch_round_cost.json)."""
-    return _compile(run_round, dynamic=batched)
+    before graph capture. dynamo compiles per tree, rule form and cache shape, not per rule value.
+
+    One-row rounds compile with static shapes (the fastest rounds). ``batched`` rounds (B > 1) mark the
+    batch dimension of the target's, drafter's and round state's tensors dynamic before every call
+    (``mark_batch_dynamic``; caches may have been reallocated since the last call), so that their first
+    compilation serves every batch size: a symbolic-batch round replayed within 4% of a static one on an
+    H200, and later batch sizes start in about a second instead of 50-90 s
+    (eval/results/gpu_batch_round_cost.json)."""
+    compiled = _compile(run_round, dynamic=batched)
+    if not batched:
+        return compiled
+
+    @functools.wraps(run_round)
+    def call(target: Target, drafter: SlotDrafter | None, state: RoundState, tree_cfg: TreeConfig,
+             form: RuleForm) -> torch.Tensor:
+        mark_batch_dynamic(target, drafter, state)
+        return compiled(target, drafter, state, tree_cfg, form)
+
+    return call
 
 
 @functools.cache

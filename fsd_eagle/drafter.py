@@ -55,6 +55,11 @@ class SlotDrafter:
     def _forward(self, tokens, states, positions, slots, mask, backend: str | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """The tensors with a batch dimension that a round reads (lengths, cache), each with that dimension's
+        index (see ``decode.mark_batch_dynamic``)."""
+        raise NotImplementedError
+
     def _read(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features ``[B, P, s_t]`` as this drafter's committed states (default: as they are)."""
         return features
@@ -156,6 +161,9 @@ class EagleDrafter(SlotDrafter):
         self.length.zero_()
         self.use_vocab(tree.draft_vocab)
 
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.length, 0)] + (self.cache.batch_tensors() if self.cache is not None else [])
+
     def load_rows(self, rows: torch.Tensor, other: "EagleDrafter", src: torch.Tensor) -> None:
         """Rows ``rows`` (``[k]`` index tensor) take the cache and length of ``other``'s rows ``src``."""
         self.cache.keys.index_copy_(0, rows, other.cache.keys.index_select(0, src))
@@ -233,6 +241,9 @@ class ModelDrafter(SlotDrafter):
         self.model.allocate(max_len + 1 + (tree.depth - 1) * tree.top_k, batch)
         self.max_len = self.model.cache.max_len
         self.use_vocab(tree.draft_vocab)
+
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        return self.model.batch_tensors()
 
     def load_rows(self, rows: torch.Tensor, other: "ModelDrafter", src: torch.Tensor) -> None:
         self.model.load_rows(rows, other.model, src)

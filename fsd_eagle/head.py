@@ -350,6 +350,11 @@ class HeadCache:
     rows: torch.Tensor
     heads: torch.Tensor
 
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Tensors with a batch dimension and its index (see ``decode.mark_batch_dynamic``): all but ``heads``,
+        batch first."""
+        return [(self.keys, 0), (self.values, 0), (self.rows, 0)]
+
 
 RANKING_FILE = "token_ranking.safetensors"  # a head folder's token ranking (see EagleHead.token_ranking)
 
@@ -405,8 +410,10 @@ class EagleHead(nn.Module):
     def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype, batch: int = 1) -> HeadCache:
         heads = self.config.num_key_value_heads
         shape = (batch, heads, max_len, self.config.dim)
+        # The row index is a tensor of its own, not a view: a compiled round would take a view's base as one
+        # more input with a batch dimension.
         return HeadCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
-                         torch.arange(batch, device=device).view(batch, 1, 1),
+                         torch.arange(batch, device=device).view(batch, 1, 1).clone(),
                          torch.arange(heads, device=device).view(1, heads, 1))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,

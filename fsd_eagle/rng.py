@@ -80,6 +80,10 @@ class RandomStream:
         self.key.index_copy_(0, rows, other.key.index_select(0, src))
         self.counter.index_copy_(0, rows, other.counter.index_select(0, src))
 
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """``key`` and ``counter`` with their batch dimension (0; see ``decode.mark_batch_dynamic``)."""
+        return [(self.key, 0), (self.counter, 0)]
+
     def bits(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
         """Random 32-bit words ``[B, *shape]`` (int64 in [0, 2^32)) of draw ``draw`` at each row's step."""
         step = self.counter & _MASK32

@@ -64,6 +64,10 @@ class RuleValues:
     def tensors(self) -> list[torch.Tensor]:
         return [self.temperature, self.top_p, self.top_k, self.threshold]
 
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor with its batch dimension (0; see ``decode.mark_batch_dynamic``)."""
+        return [(t, 0) for t in self.tensors()]
+
 
 def per_row(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A ``[B]`` value shaped to broadcast against ``like`` ``[B, ...]``."""

@@ -300,7 +300,9 @@ class Session:
     def _capture_round(self):
         """Capture the round: compiled with the session's attention, compiled with SDPA (e.g. inductor finds
         no FlexAttention kernel for this head size), then uncompiled with SDPA; the first that captures sets
-        ``attention`` and ``compile``. None: nothing captured (rounds run eagerly, with SDPA)."""
+        ``attention`` and ``compile``. None: nothing captured (rounds run eagerly, with SDPA). A batched
+        Session's compiled round has its batch size symbolic (``compiled_round(True)`` marks this Session's
+        tensors), so Sessions of other batch sizes reuse its compilation; a one-row round is static."""
         options = [(True, self.attention), (True, "sdpa")] if self.compile else []
         options = list(dict.fromkeys(options + [(False, "sdpa")]))
         for compiled, backend in options:

@@ -114,6 +114,11 @@ class Target:
             self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.length.zero_()
 
+    def batch_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """The tensors with a batch dimension that a round reads, each with that dimension's index (see
+        ``decode.mark_batch_dynamic``): ``length`` (0) and the cache's (``SlotCache.batch_tensors``)."""
+        return [(self.length, 0)] + (self.cache.batch_tensors() if self.cache is not None else [])
+
     def load_rows(self, rows: torch.Tensor, other: "Target", src: torch.Tensor) -> None:
         """Rows ``rows`` (``[k]`` index tensor) take the cache and length of ``other``'s rows ``src``."""
         self.cache.load_rows(rows, other.cache, src)

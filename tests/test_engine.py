@@ -1167,15 +1167,17 @@ def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
 
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
-def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_sizes(tiny_llama):
-    """Batch sessions' compiled round (``compiled_round(True)``): every row's outputs equal the eager
-    round's, at batch sizes 2, 3 and 5 (greedy and sampled rows mixed), and once a second batch size has
-    made the batch dimension symbolic, a third compiles nothing new."""
+@pytest.mark.parametrize("kind", ["noisy", "eagle"])
+def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_sizes(tiny_llama, kind):
+    """Batch sessions' compiled round (``compiled_round(True)``), with a draft model or a head: every row's
+    outputs equal the eager round's, at batch sizes 2, 3 and 5 (greedy and sampled rows mixed), and the
+    first compilation (batch 2) already has the batch size symbolic: batches 3 and 5 compile nothing new."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    start = counters["stats"]["unique_graphs"]
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
-    eng = _engine("noisy", copy.deepcopy(tiny_llama))
+    eng = _engine(kind, copy.deepcopy(tiny_llama))
     rules = [AcceptanceRule(), AcceptanceRule(SamplingConfig(temperature=0.8))]
     form = rules[1].form
     graphs = []
@@ -1188,8 +1190,37 @@ def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_s
             session.start_rows(list(range(b)), ps, [rules[i % 2] for i in range(b)], list(range(b)))
             outs.append(torch.stack([fn(session.target, session.drafter, session.state, cfg, form) for _ in range(4)]))
         assert torch.equal(outs[0], outs[1]), b
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[2] == graphs[1]  # batch 5 reused the symbolic-batch compilation of batch 3
+        graphs.append(counters["stats"]["unique_graphs"] - start)
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs  # batches 3 and 5 reused batch 2's compilation
+
+
+@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.parametrize("window", [None, 64])
+def test_flex_block_lists_keep_a_symbolic_batch_size(window):
+    """FlexAttention's block lists (``_block_mask``), compiled as batched rounds are (batch dimension marked
+    dynamic), equal the eager lists, and nothing fixes the batch size, not even where it equals the number
+    of key blocks (2 here): batch 3 reuses batch 2's compilation."""
+    from torch._dynamo.utils import counters
+
+    from fsd_eagle.decode import _compile
+
+    def lists(prefix, anc, positions):
+        mask = SlotMask(prefix, anc, 2 * FLEX_BLOCK)
+        block = _block_mask(mask if window is None else mask.windowed(positions, window))
+        return block.kv_num_blocks, block.kv_indices, block.full_kv_num_blocks, block.full_kv_indices
+
+    torch._dynamo.reset()
+    start = counters["stats"]["unique_graphs"]
+    compiled = _compile(lists, dynamic=True)
+    for b in (2, 3):
+        prefix = torch.tensor([5, 130, 200][:b])
+        anc = torch.ones(4, 4, dtype=torch.bool).tril().expand(b, 4, 4).clone()
+        args = (prefix, anc, prefix.unsqueeze(1) + torch.arange(4))
+        for t in args:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for got, want in zip(compiled(*args), lists(*args)):
+            assert torch.equal(got, want), b
+    assert counters["stats"]["unique_graphs"] - start == 1
 
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")

@@ -6,7 +6,7 @@ kernels of one round by GPU time. Needs no model download:
     python eval/device/round_cost.py --batches 1,8 --trees ar,64/6/8/v16384,32/5/8/v16384 --out $OUT/cost.json
 
 Batch sessions compile their rounds with a symbolic batch size (fsd_eagle.decode.compiled_round), so after
-two batch sizes the others start without compiling.
+the first batch size above 1 the others start without compiling.
 """
 
 import argparse
