@@ -1,6 +1,6 @@
 """Compiled rounds that travel between machines: with ``FSD_EAGLE_COMPILE_CACHE=<file>`` set, the first
-compiled round or prefill of a process loads the kernels that file holds, and every compiled capture writes
-the process's kernels back to it (those it loaded included).
+compiled round or prefill of a process loads the kernels that file holds (``decode._compile``), and every
+compiled capture writes the process's kernels back to it (those it loaded included; ``Session``).
 
 torch.compile already keeps its kernels in a local cache (``TORCHINDUCTOR_CACHE_DIR``), so a second process
 on the same machine compiles a round in seconds instead of 60-200 s. A fresh machine, container or CI

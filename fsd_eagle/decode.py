@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from . import compile_cache
 from .attention import flex_supported
 from .config import TreeConfig
 from .drafter import DraftRoot, ModelDrafter, SlotDrafter
@@ -206,7 +207,8 @@ def _compile(fn, dynamic: bool = False):
     shapes, for any other dimension once it differs from an earlier compilation (a prefill's padded prompt
     length). Duck sizing (one symbol for dimensions that happen to be equal, such as a batch of 8 and a
     top-k of 8) is turned off while tracing: it would tie the batch to the tree and compile again for the
-    next size."""
+    next size. Kernels of ``FSD_EAGLE_COMPILE_CACHE`` (fsd_eagle.compile_cache) are loaded first."""
+    compile_cache.restore()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=None if dynamic else False)
     if not dynamic:

@@ -283,8 +283,6 @@ class Session:
             # hold the session's objects), ~30-60 s each, to save ~2 ms per prompt; batch sessions prefill
             # several prompts per forward instead.
             compiled = self.compile and self.batch == 1
-            if compiled:
-                compile_cache.restore()
             candidates = ([functools.partial(compiled_prefill(), *args)] if compiled else []) + [fn]
             found = capture_first(candidates, self._prefill_state(pre))
             if compiled and found is not None:
@@ -308,8 +306,6 @@ class Session:
         for compiled, backend in options:
             self.compile, self.attention = compiled, backend
             self._apply_attention()
-            if compiled:
-                compile_cache.restore()
             fn = compiled_round(self.batch > 1) if compiled else run_round
             found = capture(functools.partial(fn, self.target, self.drafter, self.state, self.tree, self.form),
                             self._round_state())

@@ -73,3 +73,14 @@ def test_unset_does_nothing_and_a_broken_file_is_a_warning(tmp_path, monkeypatch
     with pytest.warns(UserWarning, match="not a compile cache"):
         assert compile_cache.restore() is False
     assert compile_cache.restore() is False  # once per process and file: no second warning
+
+
+def test_every_compiled_function_loads_the_file_first(monkeypatch):
+    """decode._compile (behind compiled rounds and prefills) loads FSD_EAGLE_COMPILE_CACHE before compiling."""
+    from fsd_eagle import decode
+
+    calls = []
+    monkeypatch.setattr(compile_cache, "restore", lambda: calls.append("restore") or False)
+    decode._compile(lambda x: x + 1)
+    decode._compile(lambda x: x * 2, dynamic=True)
+    assert calls == ["restore", "restore"]
