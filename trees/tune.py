@@ -399,7 +399,7 @@ class Tuner:
 
 def held_out_prompts(n: int) -> list[tuple[str, str]]:
     """(source, user message): MT-bench first turns (one per category, in turn) and GSM8K test questions,
-    alternating; neither was in the head's training data."""
+    alternating until MT-bench runs out; neither was in the head's training data."""
     root = Path(__file__).resolve().parents[1]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -411,10 +411,13 @@ def held_out_prompts(n: int) -> list[tuple[str, str]]:
         by_cat.setdefault(q.category, []).append(q)
     mt_order = [qs[i] for i in range(10) for qs in by_cat.values() if i < len(qs)]
     gsm = load_gsm8k("test", limit=n)
-    out = []
+    out, next_gsm = [], iter(gsm)
     for i in range(n):
-        out.append((f"mt_bench/{mt_order[i // 2].question_id}", mt_order[i // 2].turns[0]) if i % 2 == 0
-                   else (f"gsm8k_test/{gsm[i // 2].index}", gsm8k_prompt(gsm[i // 2])))
+        if i % 2 == 0 and i // 2 < len(mt_order):
+            out.append((f"mt_bench/{mt_order[i // 2].question_id}", mt_order[i // 2].turns[0]))
+        else:  # GSM8K in turn, and alone once MT-bench's 80 are used up
+            q = next(next_gsm)
+            out.append((f"gsm8k_test/{q.index}", gsm8k_prompt(q)))
     return out
 
 
