@@ -475,3 +475,15 @@ def test_tuner_writes_each_bucket_at_once_and_resume_keeps_them(tmp_path, monkey
     measured.clear()
     assert tune.main(argv[:-1] + ["2", "--resume"]) == 0  # --batch-fill 2: another command, both again
     assert measured == [(2, 4), (4, 8)]
+
+
+def test_held_out_prompts_go_on_with_gsm8k_past_mt_bench():
+    """A batch bucket of 64 decodes 256 prompts: MT-bench's 80 first turns alternate with GSM8K test
+    questions, then GSM8K goes on alone; no prompt repeats."""
+    from trees.tune import held_out_prompts
+
+    prompts = held_out_prompts(256)
+    sources = [source for source, _ in prompts]
+    assert len(prompts) == 256 and len(set(sources)) == 256
+    assert sum(s.startswith("mt_bench/") for s in sources) == 80
+    assert all(s.startswith("mt_bench/") == (i % 2 == 0) for i, s in enumerate(sources[:160]))

@@ -618,7 +618,8 @@ def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batc
     ``gen.generate(prompts, batch_size=batch_size)``, greedy, ``repeats`` passes with the candidates in
     rotating order. One row per candidate: tokens/s (new tokens of every prompt and pass / wall seconds),
     tau (new tokens / target forwards), new tokens and seconds. On CUDA each candidate first decodes the
-    prompts for 8 tokens, untimed, so that graph capture and compilation stay out of the timings."""
+    prompts once untimed, as the timed passes will (same token budget: every prefill length, cache size
+    and refill pattern is met once), so that graph capture and compilation stay out of the timings."""
 
     def run(cfg: TreeConfig, new_tokens: int) -> tuple[float, list]:
         if cfg.drafts:
@@ -630,7 +631,8 @@ def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batc
 
     if gen.target.device.type == "cuda":
         for cfg in candidates:
-            run(cfg, 8)
+            seconds, _ = run(cfg, max_new_tokens)
+            log(f"batch {batch_size}: warm-up {cfg.label} {seconds:.1f} s")
     totals = {cfg: [0, 0, 0.0] for cfg in candidates}  # new tokens, target forwards, seconds
     for i in range(repeats):
         for cfg in rotated(candidates, i):
@@ -792,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
                         "larger: the winner, trees halved from it, --batch-trees and AR decoded in batches of B)")
     p.add_argument("--batch-trees", type=_trees, default=(), metavar="T/D/K,...",
                    help="more candidates for every bucket above 1")
-    p.add_argument("--batch-repeats", type=int, default=1, help="timed passes over a bucket's prompts per candidate")
+    p.add_argument("--batch-repeats", type=int, default=2, help="timed passes over a bucket's prompts per candidate")
     p.add_argument("--batch-fill", type=int, default=4,
                    help="batches of prompts a bucket decodes (prompts = this x B), so that refills run as in use")
     p.add_argument("--resume", action="store_true",

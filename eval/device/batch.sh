@@ -28,10 +28,20 @@ bash eval/device/assemble.sh
 mkdir -p "$RES"
 if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RES/gpu_batch.json" ]; then cp "$RESUME_FROM" "$RES/gpu_batch.json"; fi
 if [ -n "${PRESETS_FROM:-}" ] && [ ! -f "$RES/presets.json" ]; then cp "$PRESETS_FROM" "$RES/presets.json"; fi
-# Compiled kernels (fsd_eagle.compile_cache): kept in $RES/kernels.bin and copied to $OUT, so that KERNELS_FROM
-# can seed the next fresh host of the same GPU type and versions with them.
+# Compiled kernels (fsd_eagle.compile_cache): kept in $RES/kernels.bin and copied to $OUT xz-compressed
+# (kernels.bin.xz: a few hundred MB of kernels shrink 15-40x), so that KERNELS_FROM can seed the next fresh
+# host of the same GPU type and versions with them: KERNELS_FROM="FILE [FILE ...]", a kernels.bin, or a
+# kernels.bin.xz given whole or as pieces in order (joined, then decompressed).
 export FSD_EAGLE_COMPILE_CACHE=${FSD_EAGLE_COMPILE_CACHE:-$RES/kernels.bin}
-if [ -n "${KERNELS_FROM:-}" ] && [ ! -f "$FSD_EAGLE_COMPILE_CACHE" ]; then cp "$KERNELS_FROM" "$FSD_EAGLE_COMPILE_CACHE"; fi
+if [ -n "${KERNELS_FROM:-}" ] && [ ! -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
+  # shellcheck disable=SC2086  # a list of files
+  cat $KERNELS_FROM > "$FSD_EAGLE_COMPILE_CACHE.in"
+  if xz -t "$FSD_EAGLE_COMPILE_CACHE.in" 2> /dev/null; then
+    xz -dc "$FSD_EAGLE_COMPILE_CACHE.in" > "$FSD_EAGLE_COMPILE_CACHE" && rm "$FSD_EAGLE_COMPILE_CACHE.in"
+  else
+    mv "$FSD_EAGLE_COMPILE_CACHE.in" "$FSD_EAGLE_COMPILE_CACHE"
+  fi
+fi
 source eval/device/job.sh
 if needs_start; then
   copy_code
@@ -54,5 +64,16 @@ wait_job benchmark
 tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
-  cp "$RES/gpu_batch.json" "$RES/presets.json" "$FSD_EAGLE_COMPILE_CACHE" "$OUT/" 2> /dev/null || true
+  cp "$RES/gpu_batch.json" "$RES/presets.json" "$OUT/" 2> /dev/null || true
+  # Compressed once per change of the kernels file; pieces of 15 MiB where the whole would not come back.
+  if [ -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
+    if [ ! -f "$RES/kernels.bin.xz" ] || [ "$FSD_EAGLE_COMPILE_CACHE" -nt "$RES/kernels.bin.xz" ]; then
+      xz -3 -T0 -c "$FSD_EAGLE_COMPILE_CACHE" > "$RES/kernels.bin.xz.tmp" && mv "$RES/kernels.bin.xz.tmp" "$RES/kernels.bin.xz"
+    fi
+    if [ "$(stat -c %s "$RES/kernels.bin.xz")" -le $((15 * 1024 * 1024)) ]; then
+      cp "$RES/kernels.bin.xz" "$OUT/"
+    else
+      split -b 15m -d -a 1 "$RES/kernels.bin.xz" "$OUT/kernels.bin.xz.part"
+    fi
+  fi
 fi
