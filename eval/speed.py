@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .runinfo import git_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -374,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows-only", action="store_true",
                    help="only the method rows: no stage breakdown, peak memory or 8B-shape round cost")
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_speed.json"))
+    p.add_argument("--code", help="commit to record (default: git rev-parse HEAD; for a copy whose .git is stale)")
     a = p.parse_args(argv)
     temperatures = parse_floats(a.temperatures, "--temperatures")
     fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
@@ -454,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                        "draft_model": a.draft_model,
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
+                       "commit": a.code or git_commit(short=True),
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     if a.out != os.devnull:

@@ -14,7 +14,9 @@
 # options given here are appended (a later option wins). TUNE=4,8,16,32,64 first runs the tree tuner for those
 # batch buckets (python -m trees.tune --compile --resume into $RES/presets.json, each bucket written as it is
 # measured and copied to $OUT by every command; the benchmark then uses it), once: a restarted run keeps the
-# buckets already tuned.
+# buckets already tuned. SPEED="<python -m eval speed options>" first runs that one-prompt benchmark (once; its
+# rows in gpu_speed_run.json, and gpu_speed_run.partial.json as they come, copied to $OUT), in the same machine
+# whose inductor cache the later steps then share; BATCH=0 stops after it (and the tuner).
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -47,7 +49,11 @@ if needs_start; then
   copy_code
   if [ -f "$RES/presets.json" ]; then cp "$RES/presets.json" "$RES/code/fsd_eagle/presets.json"; fi
   # bash -c records its own pid (alive while the run goes on) and the exit status of the tuner or benchmark.
-  (cd "$RES/code" && PYTHONPATH="$RES/code" TUNE="${TUNE:-}" setsid nohup bash -c 'echo $$ > "$0/pid";
+  (cd "$RES/code" && PYTHONPATH="$RES/code" TUNE="${TUNE:-}" SPEED="${SPEED:-}" BATCH="${BATCH:-1}" setsid nohup bash -c 'echo $$ > "$0/pid";
+      if [ -n "$SPEED" ] && [ ! -f "$0/speed_done" ]; then
+        python3 -m eval speed $SPEED ${CODE:+--code "$CODE"} --out "$0/gpu_speed_run.json" >> "$0/log" 2>&1 || { echo $? > "$0/rc"; exit; }
+        touch "$0/speed_done"
+      fi
       if [ -n "$TUNE" ] && [ ! -f "$0/tuned" ]; then
         [ -f "$0/presets.json" ] || cp fsd_eagle/presets.json "$0/presets.json"
         python3 -m trees.tune --device cuda --dtype bfloat16 --compile --batch-sizes "$TUNE" --resume \
@@ -55,6 +61,7 @@ if needs_start; then
         touch "$0/tuned"
       fi
       if [ -f "$0/presets.json" ]; then cp "$0/presets.json" fsd_eagle/presets.json; fi
+      if [ "$BATCH" = 0 ]; then echo 0 > "$0/rc"; exit; fi
       python3 -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume \
           --output "$0/gpu_batch.json" ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' \
       "$RES" "$@" > /dev/null 2>&1 &)
@@ -64,7 +71,8 @@ wait_job benchmark
 tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
-  cp "$RES/gpu_batch.json" "$RES/presets.json" "$OUT/" 2> /dev/null || true
+  cp "$RES/gpu_batch.json" "$RES/presets.json" "$RES/gpu_speed_run.json" "$RES/gpu_speed_run.partial.json" \
+      "$OUT/" 2> /dev/null || true
   # Compressed once per change of the kernels file; pieces of 15 MiB where the whole would not come back.
   if [ -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
     if [ ! -f "$RES/kernels.bin.xz" ] || [ "$FSD_EAGLE_COMPILE_CACHE" -nt "$RES/kernels.bin.xz" ]; then
