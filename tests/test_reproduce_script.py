@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh", "eval/device/gemma3_head.sh",
-           "eval/device/assemble.sh", "eval/device/batch.sh", "eval/device/job.sh")
+           "eval/device/assemble.sh", "eval/device/batch.sh", "eval/device/job.sh", "eval/device/tp.sh")
 
 
 def test_scripts_parse():
