@@ -279,10 +279,12 @@ class Session:
         if entry is None:  # first prompts of this bucket: capture (warm-ups run on them)
             args = (pre.target, pre.drafter, ids, length, form, pre.state.values, pre.state.rng)
             fn = functools.partial(prefill, *args)
-            # Compiled prefills only for one-row sessions: dynamo compiles a prefill per session (its guards
-            # hold the session's objects), ~30-60 s each, to save ~2 ms per prompt; batch sessions prefill
-            # several prompts per forward instead.
+            # Compiled prefills only for one-row sessions: a compiled prefill costs ~30-60 s per rule form
+            # and drafter (Sessions of one plan share it: _route_attention) to save ~2 ms per prompt; batch
+            # sessions prefill several prompts per forward instead.
             compiled = self.compile and self.batch == 1
+            if compiled:
+                self._route_attention()
             candidates = ([functools.partial(compiled_prefill(), *args)] if compiled else []) + [fn]
             found = capture_first(candidates, self._prefill_state(pre))
             if compiled and found is not None:
@@ -303,6 +305,8 @@ class Session:
         tensors), so Sessions of other batch sizes reuse its compilation; a one-row round is static."""
         options = [(True, self.attention), (True, "sdpa")] if self.compile else []
         options = list(dict.fromkeys(options + [(False, "sdpa")]))
+        if self.compile:
+            self._route_attention()
         for compiled, backend in options:
             self.compile, self.attention = compiled, backend
             self._apply_attention()
@@ -314,6 +318,15 @@ class Session:
                     compile_cache.store()
                 return found
         return None
+
+    def _route_attention(self) -> None:
+        """Before compiling: the models' attention runs through the registered function whatever the
+        backend (``Target.route_attention``), so that every compilation (prefills of every Session, rounds
+        with either backend) sees the same model config and no Session compiles a prefill again because an
+        earlier Session's round switched the shared model to FlexAttention."""
+        self.target.route_attention()
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.model.route_attention()
 
     def _apply_attention(self) -> None:
         self.target.use_attention(self.attention)

@@ -73,15 +73,28 @@ class Target:
 
     def use_attention(self, backend: str) -> None:
         """Switch the tree-attention backend of rounds ("sdpa" or "flex", see fsd_eagle.attention; prefills
-        always use "sdpa"). For "flex" the model runs our registered attention function, which leaves
-        transformers' own calls (``generate``) on stock SDPA."""
+        always use "sdpa"). For "flex" the model runs our registered attention function (``route_attention``),
+        which leaves transformers' own calls (``generate``) on stock SDPA."""
         if backend == self.attention:
             return
         attention.check_backend(backend, self.config)
         if backend == "flex":
-            attention.register()
-            self.model.set_attn_implementation(attention.ATTENTION_NAME)
+            self.route_attention()
         self.attention = backend
+
+    def route_attention(self) -> None:
+        """Run the model's attention through our registered function (``attention.tree_attention``) from now
+        on, where FlexAttention fits the model (else nothing changes). It sends BlockMasks to FlexAttention
+        and every other mask to transformers' stock SDPA function, so SDPA forwards compute what they did.
+
+        The choice is a field of the model's config, shared by every Target over the model, and compiled
+        code guards on it: a prefill compiled before some round switched it to FlexAttention would compile
+        again for the next Session. Sessions therefore route attention before anything compiles."""
+        if not attention.flex_supported(self.config):
+            return
+        attention.register()
+        if getattr(self.model.config, "_attn_implementation", None) != attention.ATTENTION_NAME:
+            self.model.set_attn_implementation(attention.ATTENTION_NAME)
 
     @property
     def slides(self) -> bool:

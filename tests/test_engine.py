@@ -1151,6 +1151,64 @@ def test_compiled_prefill_equals_the_eager_one(tiny_llama):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 
 
+class _Replay:
+    """Stands in for a captured CUDA graph on the CPU: replaying calls the function again."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        fresh = self.fn()
+        torch.utils._pytree.tree_map(lambda o, f: o.copy_(f) if isinstance(o, torch.Tensor) else None, self.out, fresh)
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("kind", ["eagle", "noisy"])
+def test_sessions_of_one_plan_share_their_compilations(tiny_llama, kind, monkeypatch):
+    """What a GPU session compiles (its prefill, then its FlexAttention round), counted per function by
+    dynamo: a second and a third Session of the same plan compile nothing new. (The first Session's round
+    switches the shared model to the registered attention function, which compiled prefills guard on: before
+    Sessions routed attention ahead of compiling, the second Session compiled its prefill again.)"""
+    import fsd_eagle.decode as decode_module
+    from torch._dynamo.testing import CompileCounter
+
+    compile_fn, counters = torch.compile, {}
+
+    def counted(fn, **kwargs):  # dynamo alone (no inductor), one frame counter per compiled function
+        return compile_fn(fn, backend=counters.setdefault(fn.__name__, CompileCounter()), **kwargs)
+
+    def capture(fn, state):  # a "capture" on the CPU: runs fn (compiling it) and restores the state
+        saved = [t.clone() for t in state]
+        out = fn()
+        for t, v in zip(state, saved):
+            t.copy_(v)
+        return _Replay(fn, out), out
+
+    monkeypatch.setattr(torch, "compile", counted)
+    monkeypatch.setattr(decode_module, "capture", capture)
+    monkeypatch.setattr(session_module, "capture", capture)
+    compiled_prefill.cache_clear()
+    compiled_round.cache_clear()
+    torch._dynamo.reset()
+    try:
+        cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
+        eng = _engine(kind, copy.deepcopy(tiny_llama))
+        frames = []
+        for i in range(3):
+            session = make_session(tree=cfg, engine=eng, graphs=True, compile=True)
+            session.use_graph, session.compile, session.attention = True, True, "flex"  # a GPU session's
+            session.allocate(256)
+            session.start(0, random_prompt(i, 128), AcceptanceRule(), i)  # the prefill
+            assert session._capture_round() is not None and session.attention == "flex"
+            frames.append({name: c.frame_count for name, c in counters.items()})
+        assert frames[0] == {"prefill": 1, "run_round": 1}, frames
+        assert frames[1] == frames[2] == frames[0], frames
+    finally:
+        compiled_prefill.cache_clear()  # later tests compile with inductor again
+        compiled_round.cache_clear()
+        torch._dynamo.reset()
+
+
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
