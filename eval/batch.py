@@ -146,15 +146,21 @@ def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens:
     """One ``generate`` call over every prompt, ``batch_size`` at a time, timed as a whole. Before it, with
     ``warmup`` > 0: that many untimed calls on one batch of the longest prompts (the largest caches, graph
     capture and compilation of the rounds), then a 2-token call over every prompt in the timed run's batches
-    (each prompt-length bucket's prefill graph, as eval/speed.py does), so that neither is timed."""
+    (as eval/speed.py does) and the capture of every prefill graph the timed run may meet (each number of
+    prefill rows at each prompt-length bucket, ``Session.prepare_prefills``: which ones it meets depends on
+    when rows finish), so that none of this is timed."""
     dev = gen.target.device
     sampling = dict(temperature=temperature, top_p=top_p if temperature else 1.0)
+    # The Session the call runs on: its tree is the batch size's preset (None where it decodes without drafting).
+    session = gen.session(batch=batch_size, **sampling, **{k: v for k, v in kwargs.items()
+                                                          if k in ("autoregressive", "fuzzy")})
     for _ in range(warmup):
         gen.generate(_warm_prompts(encoded, batch_size), max_new_tokens, batch_size=batch_size, chat=False,
                      seed=seed, **sampling, **kwargs)
     if warmup:
         gen.generate(encoded, min(2, max_new_tokens), batch_size=batch_size, chat=False, seed=seed, **sampling,
                      **kwargs)
+        session.prepare_prefills(len(p) for p in encoded)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     seeds = [seed + i for i in range(len(encoded))]  # prompt i is decoded with seed + i, whatever its batch
@@ -166,9 +172,6 @@ def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens:
     wall = time.perf_counter() - t
     new = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
-    # The Session the call ran on: its tree is the batch size's preset (None where it decoded without drafting).
-    session = gen.session(batch=batch_size, **sampling, **{k: v for k, v in kwargs.items()
-                                                          if k in ("autoregressive", "fuzzy")})
     return {"new_tokens": new, "wall_s": wall, "tau": new / forwards if forwards else None,
             "peak_mem_gb": _peak(dev), "prompts": len(encoded),
             "tree": session.tree.to_dict() if session.drafter is not None else None,

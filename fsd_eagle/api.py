@@ -321,6 +321,8 @@ class SpeculativeGenerator:
         with the call's statistics; see ``generate`` for the other arguments. Given a list of prompts,
         yield ``(index, piece)`` pairs instead, pieces of all prompts interleaved as rounds complete (and
         ``(index, result)`` as each ends, with ``with_result``); ``batch_size`` as in ``generate_many``.
+        Prompts start shortest first (fsd_eagle.schedule.start_order), not in list order, so with fewer
+        rows than prompts the pieces of short prompts tend to come first.
 
         The call starts at the first ``next()`` and holds the generator until the iterator is exhausted,
         closed or garbage-collected: meanwhile another thread's call waits, and a call from this thread
@@ -376,9 +378,9 @@ class SpeculativeGenerator:
         """Generate for many prompts; yield ``(index, result)`` as each prompt finishes (completion order,
         ``index`` into ``prompts``). Up to ``batch_size`` prompts (default: all, at most 64) decode together,
         one target forward per round for all of them; a prompt that finishes frees its row for the next one
-        waiting. ``seed``: one for every prompt (each result then equals ``generate`` of that prompt alone
-        with that seed, up to floating-point differences between batch shapes) or one per prompt. Every
-        prompt is checked before the first one runs."""
+        waiting (the shortest waiting prompt first). ``seed``: one for every prompt (each result then equals
+        ``generate`` of that prompt alone with that seed, up to floating-point differences between batch
+        shapes) or one per prompt. Every prompt is checked before the first one runs."""
         calls = self._prepare_many(prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
                                    autoregressive, batch_size)
         with self._calls.hold():

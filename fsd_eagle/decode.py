@@ -124,10 +124,20 @@ def prefill(target: Target, drafter: SlotDrafter | None, ids: torch.Tensor, n: t
     return root_token, drafter.prefill(tokens, features, n)
 
 
+# Prompts up to this many tokens are padded to a power of two: their prefill's time is mostly kernel launches.
+PREFILL_POW2_UP_TO = 512
+
+
 def prefill_bucket(prompt_len: int) -> int:
-    """Padded prompt length of a captured prefill: the next power of two, at least 64 (few graphs, each
-    prefill at most twice its length: cheap, as a prefill's time is kernel launches, not arithmetic)."""
-    return max(64, 1 << (prompt_len - 1).bit_length())
+    """Padded prompt length of a captured prefill (a graph per padded length and number of rows): up to
+    PREFILL_POW2_UP_TO tokens, the next power of two, at least 64 (few graphs; a prefill of a few hundred
+    tokens costs kernel launches, not arithmetic, so its padding costs little); above, the next multiple of
+    an eighth of the power of two below (of 64 tokens up to 1024, of 128 up to 2048, ...), where padding
+    costs arithmetic: at most 1/8 of the prompt, in 8 buckets per doubling of the length."""
+    if prompt_len <= PREFILL_POW2_UP_TO:
+        return max(64, 1 << (prompt_len - 1).bit_length())
+    step = 1 << ((prompt_len - 1).bit_length() - 4)
+    return -(-prompt_len // step) * step
 
 
 @dataclass
@@ -279,21 +289,23 @@ def round_attention(compiled: bool, config, preferred: str | None = None) -> str
     return "sdpa"
 
 
-def capture_first(candidates: list, state: list[torch.Tensor]):
+def capture_first(candidates: list, state: list[torch.Tensor], pool=None):
     """(graph, outputs) of the first of ``candidates`` (functions without arguments) that captures; None if
     none does (see ``capture``)."""
     for fn in candidates:
-        captured = capture(fn, state)
+        captured = capture(fn, state, pool)
         if captured is not None:
             return captured
     return None
 
 
-def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, object] | None:
+def capture(fn, state: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, object] | None:
     """Capture ``fn`` (a round, or a prefill) in a CUDA graph. Warm-up runs (which also compile a compiled
     ``fn``) go on a side stream and ``state`` is restored after each, so capturing changes nothing (a round
-    only writes cache rows past the committed prefix). Returns (graph, fn's outputs), or None (eager fallback)
-    if ``fn`` cannot be compiled or captured."""
+    only writes cache rows past the committed prefix). ``pool`` (another graph's ``pool()``): the memory
+    pool the graph shares with the graphs captured into it (None: a pool of its own); sharing is safe only
+    for graphs that replay one at a time, each one's outputs used before another replays. Returns
+    (graph, fn's outputs), or None (eager fallback) if ``fn`` cannot be compiled or captured."""
     saved = [t.clone() for t in state]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -305,7 +317,7 @@ def capture(fn, state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, object
                     t.copy_(v)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             out = fn()
     except RuntimeError as e:  # an op that syncs or is not capturable here; inductor errors are RuntimeErrors
         torch.cuda.synchronize()

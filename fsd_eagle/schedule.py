@@ -1,8 +1,9 @@
 """Continuous batching: prompts flow through a session's B rows; a row whose prompt has finished takes
 the next waiting prompt at a round boundary, so the throughput of a prompt list does not wait for its
-longest answer. Prompts that start at one boundary are prefilled together (``Session.start_rows``); with
-many rows, freed rows wait until a few of them can be refilled at once (``refill_at``), since a prefill
-costs several rounds of the whole batch and k prompts prefill in about the time of one.
+longest answer. Waiting prompts start shortest first (``start_order``), and prompts that start at one
+boundary are prefilled together (``Session.start_rows``), so each padded prefill holds prompts of similar
+lengths; with many rows, freed rows wait until a few of them can be refilled at once (``refill_at``),
+since a prefill costs several rounds of the whole batch and k prompts prefill in about the time of one.
 
 ``Scheduler.run`` yields each prompt's new tokens as rounds complete; the caller decides when a prompt
 ends early (EOS, a stop string: ``finish``), the scheduler ends it at its token budget. One host sync per
@@ -35,6 +36,14 @@ class Request:
     stats: DecodeStats = field(default_factory=DecodeStats)
 
 
+def start_order(lengths: list[int]) -> list[int]:
+    """The order in which requests of prompt ``lengths`` take rows (their indices): shortest prompt first,
+    ties in list order. Prompts that start at one boundary are prefilled in one padded forward, so taking
+    them by length gives each forward prompts of similar lengths (in list order, a 40-token prompt refilled
+    with a 1,400-token one pads to the longer); and the first tokens of short prompts come first."""
+    return sorted(range(len(lengths)), key=lengths.__getitem__)
+
+
 def refill_rows(rows: int) -> int:
     """Freed rows that a scheduler over ``rows`` rows refills together: 1 up to 15 rows, then rows / 8 (a
     row idles a few rounds, the batch saves most of a prefill per prompt)."""
@@ -43,9 +52,10 @@ def refill_rows(rows: int) -> int:
 
 class Scheduler:
     """Decodes ``requests`` on ``session`` (whose plan fits every request's rule form), at most ``rows``
-    (default: the session's B) at a time, in order of the list: rows are filled first to last, and freed
-    rows take the next waiting requests once ``refill_at`` of them are free (default ``refill_rows``), or
-    fewer when fewer requests wait or every row is free. Rows past ``rows`` stay idle."""
+    (default: the session's B) at a time, in order of prompt length (``start_order``): rows are filled
+    first to last, and freed rows take the next waiting requests once ``refill_at`` of them are free
+    (default ``refill_rows``), or fewer when fewer requests wait or every row is free; requests that start
+    together take their rows in list order. Rows past ``rows`` stay idle."""
 
     def __init__(self, session: Session, requests: list[Request], rows: int | None = None,
                  refill_at: int | None = None) -> None:
@@ -76,7 +86,7 @@ class Scheduler:
         granularity = 2048 if s.target.device.type == "cuda" else 256
         s.allocate(max(plan_cache(s.prompt_slots(r.prompt_ids.shape[0]), r.max_new_tokens, s.tree, granularity)
                        for r in reqs))
-        waiting = deque(range(len(reqs)))
+        waiting = deque(start_order([r.prompt_ids.shape[0] for r in reqs]))
         owner: list[int | None] = [None] * self.rows
         most = min(s.tree.depth, s.tree.total_tokens - 1) + 1 if s.drafter is not None else 1
         ahead: tuple[PendingRound, tuple] | None = None
@@ -85,7 +95,7 @@ class Scheduler:
             free = [row for row in range(self.rows) if owner[row] is None]
             if waiting and free and (len(free) >= min(self.refill_at, len(waiting)) or len(free) == self.rows):
                 rows = free[:len(waiting)]
-                take = [waiting.popleft() for _ in rows]
+                take = sorted(waiting.popleft() for _ in rows)  # rows in list order
                 now = time.perf_counter()
                 for row, i in zip(rows, take):
                     self.started_at[i], self.row_of[i], owner[row] = now, row, i

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -21,6 +22,7 @@ from .decode import (RoundResult, RoundState, capture, capture_first, compiled_p
                      prefill_bucket, round_attention, run_round)
 from .drafter import DraftRoot, ModelDrafter, SlotDrafter
 from .engine import Engine
+from .errors import ConfigError
 from .sampling import RuleForm
 from .target import Target
 from .trees_presets import BUCKETS
@@ -93,9 +95,32 @@ class FirstToken:
         return int(self.copy.wait()[self.index])
 
 
-# Prompts that a batch session prefills together at most: a prefill of a few hundred tokens is bound by
+# Prompts that a batch Session prefills together at most: a prefill of a few hundred tokens is bound by
 # kernel launches, not arithmetic, so k prompts in one padded [k, L] forward cost about what one does.
 PREFILL_GROUP = 8
+
+
+def prefill_sizes(batch: int) -> tuple[int, ...]:
+    """Rows of the PrefillRows that a Session of ``batch`` rows prefills into: the powers of two below the
+    most prompts it prefills together, ``min(batch, PREFILL_GROUP)``, and that number itself (1, 2, 4, 8 for
+    8 rows or more). k prompts then take a forward of fewer than 2k rows: a long prompt refilled with one or
+    two others pads 2 or 4 rows to its length, not 8. A one-row Session prefills into its own row."""
+    top = min(batch, PREFILL_GROUP)
+    return tuple(sorted({1 << i for i in range(top.bit_length())} | {top}))
+
+
+def prefill_rows_for(prompts: int, sizes: tuple[int, ...]) -> int:
+    """The fewest rows among ``sizes`` (``prefill_sizes``) that hold ``prompts`` prompts."""
+    return min(s for s in sizes if s >= prompts)
+
+
+def prefill_groups(lengths: list[int], most: int) -> list[list[int]]:
+    """The prompts of ``lengths`` (their indices) in the groups that are prefilled together, at most
+    ``most`` a group: longest first (ties in their order), so that each group's prompts have similar
+    lengths (a group pads every row to its longest prompt) and only the last, shortest group is short of
+    prompts."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[at:at + most] for at in range(0, len(order), most)]
 
 
 @dataclass
@@ -119,9 +144,10 @@ class Session:
     Rounds run eagerly, or on CUDA by replaying a captured graph of ``decode.run_round`` (compiled first with
     ``plan.compile``); if a compiled round cannot be captured with FlexAttention it is tried with SDPA, then
     uncompiled; where nothing captures, rounds run eagerly with the same outputs. Prompts are prefilled alone
-    or up to PREFILL_GROUP together into caches of their own (padded to one length; a graph captured per
-    row count and padded length) and copied into their rows (with B = 1 the row itself). In graph mode ``launch`` returns before the round ends, so the host can read one
-    round while the GPU runs the next.
+    or up to PREFILL_GROUP together into caches of their own (``prefill_sizes`` rows; padded to one length,
+    ``decode.prefill_bucket``; a graph captured per row count and padded length) and copied into their rows
+    (with B = 1 the row itself). In graph mode ``launch`` returns before the round ends, so the host can read
+    one round while the GPU runs the next.
     """
 
     def __init__(self, engine: Engine, plan: Plan) -> None:
@@ -133,13 +159,14 @@ class Session:
         self.form = plan.form if self.drafting else plan.form.exact()
         dev = self.target.device
         self.state = RoundState.create(dev, self.batch)
-        # Where prompts are prefilled, by rows: a one-row session prefills straight into its row; a batch
-        # session into one row (a single prompt) or PREFILL_GROUP rows (several), then copies them over.
+        # Where prompts are prefilled, by rows: a one-row Session prefills straight into its row; a batch
+        # Session into the PrefillRows of the fewest rows that hold them (``prefill_sizes``), then copies
+        # them over.
         self.prefill_rows: dict[int, PrefillRows] = {}
         if self.batch == 1:
             self.prefill_rows[1] = PrefillRows(self.target, self.drafter, self.state)
         else:
-            for k in sorted({1, min(self.batch, PREFILL_GROUP)}):
+            for k in prefill_sizes(self.batch):
                 target = engine.new_target()
                 drafter = engine.new_drafter(target) if self.drafting else None
                 self.prefill_rows[k] = PrefillRows(target, drafter, RoundState.create(dev, k))
@@ -152,9 +179,10 @@ class Session:
         self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)
         self.turn = 0
         # Prefills by (rows, padded length): (ids buffer, length buffer, the prefill on them, its (graph,
-        # outputs) or None where capture failed).
+        # outputs) or None where capture failed). Their graphs share one memory pool (``_prefill``).
         self.prefills: dict[tuple[int, int], tuple] = {}
         self.prefills_for: tuple = ()
+        self.prefill_pool = None
         self.max_len = 0
 
     @property
@@ -191,19 +219,22 @@ class Session:
 
     def start_rows(self, rows: list[int], prompts: list[torch.Tensor], rules: list, seeds: list[int]
                    ) -> list[FirstToken]:
-        """``start`` for several rows at once: prompts are prefilled PREFILL_GROUP at a time, each group in
-        one padded forward. Every row's outputs are those of its prompt started alone."""
-        group = max(self.prefill_rows)
-        firsts = []
-        for at in range(0, len(rows), group):
-            part = slice(at, at + group)
-            firsts += self._start_group(rows[part], prompts[part], rules[part], seeds[part])
+        """``start`` for several rows at once: prompts are prefilled in groups of similar lengths, at most
+        PREFILL_GROUP a group (``prefill_groups``), each group in one padded forward of the fewest prefill
+        rows that hold it. Every row's outputs are those of its prompt started alone. Returns the first
+        tokens in the order of ``rows``."""
+        firsts: list[FirstToken | None] = [None] * len(rows)
+        for group in prefill_groups([p.shape[0] for p in prompts], max(self.prefill_rows)):
+            got = self._start_group([rows[j] for j in group], [prompts[j] for j in group],
+                                    [rules[j] for j in group], [seeds[j] for j in group])
+            for j, first in zip(group, got):
+                firsts[j] = first
         return firsts
 
     def _start_group(self, rows: list[int], prompts: list[torch.Tensor], rules: list, seeds: list[int]
                      ) -> list[FirstToken]:
         k = len(rows)
-        pre = self.prefill_rows[1 if k == 1 else max(self.prefill_rows)]
+        pre = self.prefill_rows[prefill_rows_for(k, tuple(self.prefill_rows))]
         for j, (rule, seed) in enumerate(zip(rules, seeds)):
             pre.state.values.set(rule, j)
             pre.state.rng.reseed(seed, j)
@@ -225,6 +256,21 @@ class Session:
             st.active.index_fill_(0, dst, True)
         copy = HostCopy.of(root_token[:k])
         return [FirstToken(copy, j) for j in range(k)]
+
+    def prepare_prefills(self, prompt_lens: Iterable[int]) -> None:
+        """In graph mode, capture now the prefill graph of every PrefillRows at the padded length of each of
+        ``prompt_lens`` (prompt tokens), so that none is captured while prompts decode (a capture runs the
+        prefill three times): e.g. before timing a run, whose refill groups depend on when rows finish. The
+        caches must already be allocated for the run (graphs hold their addresses). Eagerly, nothing."""
+        if not self.use_graph:
+            return
+        sizes = sorted({prefill_bucket(n) for n in prompt_lens})
+        if sizes and sizes[-1] > self.max_len:
+            raise ConfigError(f"prompts padded to {sizes[-1]} tokens do not fit caches of {self.max_len} slots: "
+                              "allocate them first")
+        for size in sizes:
+            for pre in self.prefill_rows.values():
+                self._prefill(pre, [torch.zeros(size, dtype=torch.long, device=self.target.device)])
 
     def stop(self, row: int) -> None:
         """Stop ``row``: its caches stop growing (its rounds still run, their results are ignored)."""
@@ -254,7 +300,12 @@ class Session:
         """``decode.prefill`` of up to ``pre.rows`` prompts (``[L_j]`` each) into ``pre``'s caches, padded to
         one length (rows past the prompts prefill a one-token dummy, never loaded): eagerly, or in graph mode
         by replaying the graph captured for the rows and padded length (the eager HF forward is ~25 ms of
-        kernel launches on the H200). Returns the first tokens ``[rows]`` and draft roots."""
+        kernel launches on the H200). Returns the first tokens ``[rows]`` and draft roots.
+
+        The prefill graphs share one memory pool, so that they hold about the memory of the largest, not of
+        all of them (a graph per rows and padded length): prefills replay one at a time on one stream, and
+        each one's outputs are copied out (``_start_group``: into the rows, the first tokens towards the
+        host) before the next replays, so one graph's scratch memory may be another's outputs."""
         dev, rows = prompts[0].device, pre.rows
         form = self.form.exact()  # a prefill draws the first token: fuzzy settings play no part
         longest = max(p.shape[0] for p in prompts)
@@ -266,7 +317,7 @@ class Session:
             return prefill(pre.target, pre.drafter, ids, length, form, pre.state.values, pre.state.rng)
         caches = tuple(c for p in self.prefill_rows.values() for c in (p.target.cache, getattr(p.drafter, "cache", None)))
         if len(caches) != len(self.prefills_for) or any(a is not b for a, b in zip(caches, self.prefills_for)):
-            self.prefills, self.prefills_for = {}, caches  # graphs hold cache addresses
+            self.prefills, self.prefills_for, self.prefill_pool = {}, caches, None  # graphs hold cache addresses
         key = (rows, prefill_bucket(longest))
         entry = self.prefills.get(key)
         ids, length = entry[:2] if entry else (torch.zeros(key, dtype=torch.long, device=dev),
@@ -286,7 +337,9 @@ class Session:
             if compiled:
                 self._route_attention()
             candidates = ([functools.partial(compiled_prefill(), *args)] if compiled else []) + [fn]
-            found = capture_first(candidates, self._prefill_state(pre))
+            found = capture_first(candidates, self._prefill_state(pre), self.prefill_pool)
+            if found is not None and self.prefill_pool is None:
+                self.prefill_pool = found[0].pool()  # the first graph's pool, shared by the later ones
             if compiled and found is not None:
                 compile_cache.store()
             entry = self.prefills[key] = (ids, length, fn, found)  # found None: this bucket runs eagerly

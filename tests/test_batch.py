@@ -16,8 +16,10 @@ import fsd_eagle.verify as verify_module
 from fsd_eagle.config import SamplingConfig, TreeConfig
 from fsd_eagle.engine import Engine
 from fsd_eagle.head import EagleHead, HeadConfig
-from fsd_eagle.schedule import Request, Scheduler, decode
-from fsd_eagle.session import Plan, Session, session_rows
+from fsd_eagle.decode import prefill_bucket
+from fsd_eagle.errors import ConfigError
+from fsd_eagle.schedule import Request, Scheduler, decode, start_order
+from fsd_eagle.session import Plan, Session, prefill_groups, prefill_rows_for, prefill_sizes, session_rows
 from fsd_eagle.verify import AcceptanceRule
 
 from conftest import chi_square_pvalue, reference_probs, tiny_model
@@ -129,8 +131,8 @@ def test_sampling_rows_with_their_seeds_decode_as_alone():
 
 
 def test_prompts_prefilled_in_groups_and_refilled_together_decode_as_alone(monkeypatch):
-    """12 prompts on 12 rows (a 16-row session): the first fill prefills 8 prompts in one padded forward and 4
-    in the next (4 unused prefill rows); with refill_at = 3, freed rows wait until 3 are free (or too few
+    """12 prompts on 12 rows (a 16-row Session): the first fill prefills the 8 longest prompts in one padded
+    forward and the other 4 in a 4-row one; with refill_at = 3, freed rows wait until 3 are free (or too few
     prompts wait) and start together. Every output equals its prompt alone, sampled rows too."""
     from fsd_eagle import session as session_module
 
@@ -153,6 +155,99 @@ def test_prompts_prefilled_in_groups_and_refilled_together_decode_as_alone(monke
     assert all(g >= 3 for g in groups[1:-1]) and len(groups) > 2  # deferred refills, several rows at once
     for i, (p, n) in enumerate(zip(ps, budgets)):
         assert out[i] == alone(eng, plan, p, n, rule, i)
+
+
+def test_prefill_rows_are_powers_of_two_up_to_the_group():
+    """A batch Session prefills into 1, 2, 4 and 8 rows (fewer with fewer rows), and k prompts take the
+    fewest rows that hold them: 3 prompts pad 4 rows, not 8."""
+    assert [prefill_sizes(b) for b in (1, 2, 3, 4, 5, 8, 16, 64)] == [
+        (1,), (1, 2), (1, 2, 3), (1, 2, 4), (1, 2, 4, 5), (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)]
+    sizes = prefill_sizes(64)
+    assert [prefill_rows_for(k, sizes) for k in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_prompts_prefilled_together_are_grouped_by_length():
+    """Groups of at most ``most`` prompts, longest first: the short prompts are not padded to the long ones
+    (in the order given, groups of 2 would be (40, 1400) and (60, 1500))."""
+    assert prefill_groups([40, 1400, 60, 1500], 2) == [[3, 1], [2, 0]]
+    assert prefill_groups([5, 9, 5, 7, 9], 8) == [[1, 4, 3, 0, 2]]
+    assert prefill_groups([3, 1, 2], 1) == [[0], [2], [1]]
+
+
+def test_waiting_prompts_start_shortest_first():
+    """Rows take prompts by length (ties in list order): with one row, prompts of 30, 5, 20 and 5 tokens
+    start in the order 1, 3, 2, 0; results still map to their own index."""
+    assert start_order([30, 5, 20, 5]) == [1, 3, 2, 0]
+    eng = engine("llama", "head")
+    plan = Plan(TREE, GREEDY.form, batch=1)
+    gen = torch.Generator().manual_seed(7)
+    ps = [torch.randint(0, eng.target.vocab_size, (n,), generator=gen) for n in (30, 5, 20, 5)]
+    scheduler = Scheduler(Session(eng, plan), [Request(p, 3, GREEDY) for p in ps])
+    out: list[list[int]] = [[] for _ in ps]
+    first_seen = []
+    for i, tokens in scheduler.run():
+        if not out[i]:
+            first_seen.append(i)
+        out[i] += tokens
+    assert first_seen == [1, 3, 2, 0]
+    assert out == [alone(eng, plan, p, 3) for p in ps]
+
+
+def test_a_refill_group_pads_the_fewest_prefill_rows_to_its_longest_prompt(monkeypatch):
+    """start_rows on a 16-row Session: 3 prompts prefill in one 4-row forward; 11 prompts in an 8-row forward
+    of the 8 longest and a 4-row one of the 3 shortest; the first tokens come back in the rows' order and
+    every row decodes as its prompt alone."""
+    eng = engine("llama", "head")
+    plan = Plan(TREE, GREEDY.form, batch=16)
+    session = Session(eng, plan)
+    seen: list[tuple[int, list[int]]] = []
+    original = Session._prefill
+
+    def spy(self, pre, prompts):
+        seen.append((pre.rows, [p.shape[0] for p in prompts]))
+        return original(self, pre, prompts)
+
+    monkeypatch.setattr(Session, "_prefill", spy)
+    ps = prompts(11, eng.target.vocab_size, seed=8)
+    lengths = [p.shape[0] for p in ps]
+    session.allocate(256)
+    firsts = session.start_rows([5, 9, 2], ps[:3], [GREEDY] * 3, [0] * 3)
+    assert seen == [(4, sorted(lengths[:3], reverse=True))]
+    assert [f.read() for f in firsts] == [alone(eng, plan, p, 1)[0] for p in ps[:3]]
+    seen.clear()
+    session.allocate(256)
+    firsts = session.start_rows(list(range(11)), ps, [GREEDY] * 11, [0] * 11)
+    ranked = sorted(lengths, reverse=True)
+    assert [(rows, sorted(ls, reverse=True)) for rows, ls in seen] == [(8, ranked[:8]), (4, ranked[8:])]
+    assert [f.read() for f in firsts] == [alone(eng, plan, p, 1)[0] for p in ps]
+
+
+def test_prefill_buckets_pad_long_prompts_by_at_most_an_eighth():
+    """Powers of two up to 512 tokens (at least 64), then 8 buckets per doubling: 20 graphs' lengths cover
+    prompts up to 2048 tokens, and a padded prompt above 512 tokens is less than 9/8 of its length."""
+    assert [prefill_bucket(n) for n in (1, 64, 65, 300, 512, 513, 577, 1024, 1025, 1598, 2048, 2049)] == [
+        64, 64, 128, 512, 512, 576, 640, 1024, 1152, 1664, 2048, 2304]
+    assert len({prefill_bucket(n) for n in range(1, 2049)}) == 20
+    for n in range(513, 9000, 7):
+        assert n <= prefill_bucket(n) < n * 9 / 8 and prefill_bucket(prefill_bucket(n)) == prefill_bucket(n)
+
+
+def test_prepare_prefills_runs_every_prefill_rows_at_every_bucket(monkeypatch):
+    """``prepare_prefills`` (graph mode) runs a prefill of each PrefillRows at each padded length of the
+    prompts given, so that their graphs are captured before a timed run; refused where the caches are too
+    short; eagerly it does nothing."""
+    eng = engine("llama", "head")
+    session = Session(eng, Plan(TREE, GREEDY.form, batch=8))
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(Session, "_prefill", lambda self, pre, ps: seen.append((pre.rows, ps[0].shape[0])))
+    session.allocate(1024)
+    session.prepare_prefills([5, 70, 600, 60])
+    assert seen == []  # eagerly: nothing to capture
+    session.use_graph = True  # what a CUDA Session does (its _prefill captures on first use)
+    session.prepare_prefills([5, 70, 600, 60])
+    assert seen == [(rows, size) for size in (64, 128, 640) for rows in (1, 2, 4, 8)]
+    with pytest.raises(ConfigError, match="allocate"):
+        session.prepare_prefills([1500])
 
 
 def test_batch_buckets():

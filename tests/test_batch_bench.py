@@ -162,3 +162,27 @@ def test_a_killed_run_leaves_valid_json(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(batch, "measure_ours", real)
     assert eval_main(args(folders, out, "--resume")) == 0
     assert len(json.loads(out.read_text())["rows"]) == 4
+
+
+def test_prefill_waste_counts_each_prefill_as_a_graph_session_runs_it(tmp_path, capsys):
+    """eval/prefill_waste.py decodes prompts of given lengths with the real Scheduler and Session on a tiny
+    model and counts rows x padded length per prefill; the token limits it draws run from 50 to 256."""
+    from eval import prefill_waste
+
+    lengths = [5, 700, 130, 40, 12, 600]
+    prefills = prefill_waste.measure(lengths, [3, 1, 4, 2, 2, 5], batch_size=4)
+    assert sorted(n for p in prefills for n in p.lengths) == sorted(lengths)
+    first = prefills[0]  # the first fill: the 4 shortest prompts in one 4-row forward
+    assert (first.rows, sorted(first.lengths), first.padded) == (4, [5, 12, 40, 130], 256)
+    waste = prefill_waste.summarize(4, prefills)
+    assert waste.real_tokens == sum(lengths)
+    assert waste.padded_tokens == sum(p.rows * p.padded for p in prefills) >= waste.real_tokens
+    assert waste.graphs == len({(p.rows, p.padded) for p in prefills})
+    limits = prefill_waste.token_limits(480)
+    assert min(limits) >= 50 and max(limits) == 256 and 190 < sum(limits) / 480 < 230
+    (tmp_path / "lengths.json").write_text(json.dumps(lengths))
+    prefill_waste.main(["--lengths", str(tmp_path / "lengths.json"), "--batch-sizes", "1,4",
+                        "--out", str(tmp_path / "out.json")])
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [r["batch_size"] for r in out["rows"]] == [1, 4] and out["rows"][0]["prefills"] == 6
+    assert "batch prefills" in capsys.readouterr().out

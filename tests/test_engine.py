@@ -1038,7 +1038,7 @@ def test_pipelined_rounds_decode_exactly_and_fit_the_cache(tiny_llama, tree, mon
     max_new_tokens is chosen so that plan_cache's need is exactly a multiple of its granularity, and the
     self-draft accepts whole paths, so the last round overshoots max_new_tokens as far as it can. The
     prompt is padded to its bucket, as graph sessions do."""
-    monkeypatch.setattr(session_module, "capture_first", lambda candidates, state: None)
+    monkeypatch.setattr(session_module, "capture_first", lambda candidates, state, pool=None: None)
     cfg = TREES[tree]
     engine = _engine("self", tiny_llama)
     prompt = random_prompt(3, 128)
@@ -1101,7 +1101,7 @@ def test_a_round_flex_cannot_capture_switches_to_sdpa(tiny_llama, monkeypatch):
 
     seen = []
 
-    def failing_capture(fn, state):
+    def failing_capture(fn, state, pool=None):
         seen.append(session.target.attention)  # the prefill (always SDPA) is captured too
         return None
 

@@ -618,8 +618,9 @@ def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batc
     ``gen.generate(prompts, batch_size=batch_size)``, greedy, ``repeats`` passes with the candidates in
     rotating order. One row per candidate: tokens/s (new tokens of every prompt and pass / wall seconds),
     tau (new tokens / target forwards), new tokens and seconds. On CUDA each candidate first decodes the
-    prompts once untimed, as the timed passes will (same token budget: every prefill length, cache size
-    and refill pattern is met once), so that graph capture and compilation stay out of the timings."""
+    prompts once untimed, as the timed passes will (same token budget: every cache size and refill pattern
+    is met once), and captures every prefill graph the timed passes may meet (``Session.prepare_prefills``),
+    so that graph capture and compilation stay out of the timings."""
 
     def run(cfg: TreeConfig, new_tokens: int) -> tuple[float, list]:
         if cfg.drafts:
@@ -632,6 +633,8 @@ def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batc
     if gen.target.device.type == "cuda":
         for cfg in candidates:
             seconds, _ = run(cfg, max_new_tokens)
+            session = gen.session(autoregressive=not cfg.drafts, batch=batch_size)
+            session.prepare_prefills(len(p) for p in prompts)
             log(f"batch {batch_size}: warm-up {cfg.label} {seconds:.1f} s")
     totals = {cfg: [0, 0, 0.0] for cfg in candidates}  # new tokens, target forwards, seconds
     for i in range(repeats):
