@@ -1161,6 +1161,9 @@ class _Replay:
         fresh = self.fn()
         torch.utils._pytree.tree_map(lambda o, f: o.copy_(f) if isinstance(o, torch.Tensor) else None, self.out, fresh)
 
+    def pool(self):  # a CUDA graph's memory pool handle (none on the CPU)
+        return None
+
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("kind", ["eagle", "noisy"])
@@ -1177,7 +1180,7 @@ def test_sessions_of_one_plan_share_their_compilations(tiny_llama, kind, monkeyp
     def counted(fn, **kwargs):  # dynamo alone (no inductor), one frame counter per compiled function
         return compile_fn(fn, backend=counters.setdefault(fn.__name__, CompileCounter()), **kwargs)
 
-    def capture(fn, state):  # a "capture" on the CPU: runs fn (compiling it) and restores the state
+    def capture(fn, state, pool=None):  # a "capture" on the CPU: runs fn (compiling it) and restores the state
         saved = [t.clone() for t in state]
         out = fn()
         for t, v in zip(state, saved):
