@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh", "eval/device/gemma3_head.sh",
+SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh", "eval/device/head.sh",
            "eval/device/assemble.sh", "eval/device/batch.sh", "eval/device/job.sh", "eval/device/tp.sh")
 
 
@@ -35,3 +35,55 @@ def test_data_stage_runs_once_and_unknown_stages_are_refused(tmp_path):
     assert again.returncode == 0 and "stage data: done before" in again.stdout
     bad = _run(tmp_path, "nonsense")
     assert bad.returncode == 2 and "unknown stage nonsense" in bad.stderr
+
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Stands in for python3 on the GPU host: records its arguments, writes what each stage leaves behind.
+echo "$*" >> "$CALLS"
+out=""; prev=""
+for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+case "$*" in
+  "-m training run"*"--stage distill"*) echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json" ;;
+  "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
+  "-m eval tau"*) echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
+  *) echo "default target at /nowhere" ;;
+esac
+"""
+
+
+def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
+    """eval/device/head.sh with a stand-in python3: one self-distillation, each arm trained in its own folder
+    from a copy of the distilled answers with its own options, tau per arm, the heads packed once the job
+    has ended; a second command does not start the finished job again."""
+    work, fake, res, out, store = (tmp_path / n for n in ("work", "bin", "res", "out", "store"))
+    (work / "eval" / "device").mkdir(parents=True)
+    for name in ("head.sh", "assemble.sh", "job.sh"):
+        (work / "eval" / "device" / name).write_text((ROOT / "eval" / "device" / name).read_text())
+    fake.mkdir()
+    (fake / "python3").write_text(FAKE_PYTHON)
+    (fake / "python3").chmod(0o755)
+    store.mkdir()
+    (store / ".unpacked").touch()
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+           "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0",
+           "ARMS": "a=--arch eagle2;b=--arch eagle3 --layers 2 15 27"}
+    for _ in range(2):
+        out.mkdir(exist_ok=True)
+        for f in out.iterdir():
+            f.unlink()
+        r = subprocess.run(["bash", "eval/device/head.sh", "--unroll", "3"], cwd=work, env={**env, "OUT": str(out)},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "job ended, status 0" in r.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    training = [c for c in calls if c.startswith("-m training run")]
+    assert len([c for c in training if "--stage distill" in c]) == 1
+    arms = sorted(c for c in training if "--stage distill" not in c)
+    assert len(arms) == 2 and all("--unroll 3" in c and "--time-budget 1500" in c for c in arms)
+    assert f"--out {res}/a " in arms[0] and "--arch eagle2" in arms[0]
+    assert f"--out {res}/b " in arms[1] and "--arch eagle3 --layers 2 15 27" in arms[1]
+    assert len([c for c in calls if c.startswith("-m eval tau")]) == 2
+    assert sorted(f.name for f in out.iterdir()) == ["head.log", "heads.tar", "tau_a.json", "tau_b.json"]
+    assert (res / "distill" / ".sent").is_file()  # the distilled answers came back with the first command
+    listing = subprocess.run(["tar", "-tf", str(out / "heads.tar")], capture_output=True, text=True).stdout
+    assert "a/head/config.json" in listing and "b/head/config.json" in listing

@@ -1,4 +1,4 @@
-# Sourced by the host scripts (batch.sh, reproduce.sh, gemma3_head.sh): one background job under $RES that
+# Sourced by the host scripts (batch.sh, reproduce.sh, head.sh): one background job under $RES that
 # outlives each command. The job's shell writes its pid to $RES/pid and its exit status to $RES/rc.
 
 # Whether the job is alive.

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Draft heads end to end on a GPU host without network access, where each command runs at most 600 s and
+# brings one piece of a model bundle (docs/gpu-host.md). Run the same command line every time:
+#   PARTS=<pieces> SHA=<sha256 of the tar> CODE=<local commit> [GEMMA=1] [RECIPE=...] [ARMS=...] \
+#       bash eval/device/head.sh [options for `python -m training run`]
+# Each command moves its piece into place (eval/device/assemble.sh; GEMMA=1 converts Gemma 3 270M instead of the
+# default model); once everything is installed, the first command starts the whole job as one background
+# process (a copy of the code under $RES/code, since each command replaces the working tree):
+# self-distillation once, then one training run per arm side by side on the same distilled answers, then tau on
+# MT-bench for each arm's head. Every command waits up to $WAIT seconds (default 540, or until the job ends) and
+# copies to $OUT the log, the distilled answers (once, to seed a new host with DISTILLED_FROM=), each arm's
+# checkpoint progress (progress_<arm>.json) and tau (tau_<arm>.json); once the job has ended, the heads as one
+# tar (heads.tar, in 15 MiB pieces heads.tar.partNN when larger). A job that died is restarted: every stage
+# continues from what its run folders hold (distilled answers, checkpoints, exported heads).
+# Settings:
+#   RECIPE      training recipe (default training/recipes/gemma3-270m-eagle3.json with GEMMA=1, else
+#               training/recipes/smollm2-135m-instruct.json)
+#   ARMS        heads trained side by side, "name=options;name=options" (options for `python -m training run`
+#               for that arm alone), default one arm "head" with none. E.g. an architecture ablation:
+#               ARMS="eagle2=--arch eagle2;eagle3=--arch eagle3 --layers 2 15 27 --draft-vocab-size 16384"
+#   DATA        conversation file (default train_convs.jsonl.gz in the bundle)
+#   TIME_BUDGET training seconds of each arm (default 1500; 0: none, the recipe's epochs or max_steps decide)
+#   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
+#               it as <file>.json)
+#   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
+set -euo pipefail
+RES=${RES:-/root/res}
+WAIT=${WAIT:-540}
+STORE=${STORE:-/root/carry}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
+export GEMMA=${GEMMA:-0}
+if [ "$GEMMA" = 1 ]; then RECIPE=${RECIPE:-training/recipes/gemma3-270m-eagle3.json}
+else RECIPE=${RECIPE:-training/recipes/smollm2-135m-instruct.json}; fi
+ARMS=${ARMS:-head=}
+bash eval/device/assemble.sh
+[ -f "$STORE/.unpacked" ] || exit 0  # more pieces to come
+mkdir -p "$RES/distill"
+if [ -n "${DISTILLED_FROM:-}" ] && [ ! -f "$RES/distill/distilled.jsonl.gz" ]; then
+  cp "$DISTILLED_FROM" "$RES/distill/distilled.jsonl.gz"
+  cp "$DISTILLED_FROM.json" "$RES/distill/distilled.json"
+fi
+IFS=';' read -r -a arms <<< "$ARMS"
+names=()
+for arm in "${arms[@]}"; do names+=("${arm%%=*}"); done
+source eval/device/job.sh
+if needs_start; then
+  copy_code
+  # bash -c records its own pid (alive while the job goes on) and the exit status of the stage that ended it.
+  (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
+      DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
+      TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" \
+      setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
+      fail() { echo "$1" > "$0/rc"; exit "$1"; }
+      target=()
+      if [ "$GEMMA" = 1 ]; then target=(--target "$(python3 -m fsd_eagle.gemma3)") || fail $?; fi
+      budget=()
+      [ "$TIME_BUDGET" = 0 ] || budget=(--time-budget "$TIME_BUDGET")
+      python3 -m training run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/distill" --device cuda \
+          --stage distill --resume --workers "$WORKERS" "$@" >> "$0/log" 2>&1 || fail $?
+      IFS=";" read -r -a arms <<< "$ARMS"
+      workers=$(( WORKERS / ${#arms[@]} > 0 ? WORKERS / ${#arms[@]} : 1 ))
+      pids=()
+      for arm in "${arms[@]}"; do
+        name=${arm%%=*}; read -r -a opts <<< "${arm#*=}"
+        mkdir -p "$0/$name"
+        [ -f "$0/$name/distilled.jsonl.gz" ] || cp "$0/distill/distilled.jsonl.gz" "$0/distill/distilled.json" "$0/$name/"
+        [ -f "$0/$name/head/config.json" ] && continue
+        python3 -m training run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/$name" --device cuda --resume \
+            "${budget[@]}" --workers "$workers" "${opts[@]}" "$@" >> "$0/log_$name" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || fail $?; done
+      for arm in "${arms[@]}"; do
+        name=${arm%%=*}
+        [ -f "$0/$name/tau.json" ] && continue
+        python3 -m eval tau --questions mt_bench "${target[@]}" --head "$0/$name/head" --device cuda \
+            --dtype bfloat16 --workers "$TAU_WORKERS" --out "$0/$name" >> "$0/log" 2>&1 || fail $?
+      done
+      echo 0 > "$0/rc"' "$RES" "$@" > /dev/null 2>&1 &)
+  sleep 2
+fi
+wait_job job
+for name in "${names[@]}"; do
+  echo "== $name"; tail -n 4 "$RES/log_$name" 2> /dev/null || true
+done
+tail -n 12 "$RES/log" 2> /dev/null || true
+if [ -n "${OUT:-}" ]; then
+  cat "$RES/log" "$RES"/log_* > "$OUT/head.log" 2> /dev/null || true
+  if [ -f "$RES/distill/distilled.json" ] && [ ! -f "$RES/distill/.sent" ]; then
+    cp "$RES/distill/distilled.jsonl.gz" "$RES/distill/distilled.json" "$OUT/" && touch "$RES/distill/.sent"
+  fi
+  for name in "${names[@]}"; do
+    cp "$RES/$name/tau.json" "$OUT/tau_$name.json" 2> /dev/null || true
+    cp "$RES/$name/checkpoint/progress.json" "$OUT/progress_$name.json" 2> /dev/null || true
+  done
+  if ! running; then
+    heads=()
+    for name in "${names[@]}"; do [ -f "$RES/$name/head/config.json" ] && heads+=("$name/head"); done
+    if [ "${#heads[@]}" -gt 0 ]; then
+      tar -cf "$RES/heads.tar" -C "$RES" "${heads[@]}"
+      if [ "$(stat -c %s "$RES/heads.tar")" -gt $((15 * 1048576)) ]; then
+        split -b 15m -d "$RES/heads.tar" "$OUT/heads.tar.part"
+      else
+        cp "$RES/heads.tar" "$OUT/"
+      fi
+    fi
+  fi
+fi
