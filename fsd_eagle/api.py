@@ -182,7 +182,8 @@ class SpeculativeGenerator:
         together use the preset of their batch size (smaller trees, or plain autoregressive decoding, where
         the tuner measured them faster), with the same overrides; with any override given, a batch never
         switches to autoregressive decoding. A preset's draft vocabulary applies only to a drafter with a
-        token ranking (the shipped head has one); ``draft_vocab`` = 0 drafts among all tokens."""
+        token ranking (the shipped head has one), not to an EAGLE-3 head (it drafts over its own vocabulary);
+        ``draft_vocab`` = 0 drafts among all tokens."""
         overrides = dict(total_tokens=total_tokens, depth=depth, top_k=top_k, draft_vocab=draft_vocab)
         tree = self._preset_tree(1, overrides)[0]
         self._check_tree(tree)
@@ -195,7 +196,7 @@ class SpeculativeGenerator:
 
         found = preset(self.target, batch_size=batch)
         tree = found.tree
-        if overrides["draft_vocab"] is None and (not self._has_ranking() or tree.draft_vocab > self.target.vocab_size):
+        if overrides["draft_vocab"] is None and (not self._ranks_vocab() or tree.draft_vocab > self.target.vocab_size):
             tree = with_overrides(tree, draft_vocab=0)
         explicit = any(v is not None for v in overrides.values())
         return with_overrides(tree, **overrides), explicit or not found.autoregressive
@@ -212,8 +213,8 @@ class SpeculativeGenerator:
             return self._tree, drafts
         return tree, drafts
 
-    def _has_ranking(self) -> bool:
-        return self.drafter is not None and self.drafter.ranking is not None
+    def _ranks_vocab(self) -> bool:
+        return self.drafter is not None and self.drafter.ranks_vocab
 
     def use_attention(self, backend: str | None) -> None:
         """Preferred tree attention of compiled rounds: "sdpa", "flex" or None (the default: "flex" where the

@@ -71,6 +71,11 @@ class SlotDrafter:
             return self.lm.logits(states)
         return self.lm.logits(states, *self.vocab_lm)
 
+    @property
+    def ranks_vocab(self) -> bool:
+        """Whether a tree's ``draft_vocab`` can narrow this drafter's proposals (it has a token ranking)."""
+        return self.ranking is not None
+
     def limits_vocab(self, size: int) -> bool:
         """Whether drafting among ``size`` tokens restricts anything (0, or the whole vocabulary: no); a
         ConfigError if it would and this drafter has no token ranking."""
@@ -177,6 +182,11 @@ class EagleDrafter(SlotDrafter):
     @property
     def ranking(self) -> torch.Tensor | None:
         return self.head.token_ranking
+
+    @property
+    def ranks_vocab(self) -> bool:
+        """eagle3: no; the head drafts over its own vocabulary."""
+        return not self.eagle3 and super().ranks_vocab
 
     def limits_vocab(self, size: int) -> bool:
         if self.eagle3 and 0 < size < self.lm.vocab_size:

@@ -143,3 +143,19 @@ def test_a_presets_draft_vocab_needs_a_ranked_head(tmp_path, monkeypatch):
     head.token_ranking = torch.randperm(VOCAB)
     assert gen.set_tree() == TreeConfig(8, 3, 2, 32)
     assert gen.set_tree(draft_vocab=0) == TreeConfig(8, 3, 2, 0)
+
+
+def test_a_presets_draft_vocab_is_dropped_for_an_eagle3_head(tmp_path, monkeypatch):
+    """An EAGLE-3 head drafts over its own vocabulary: a preset's draft_vocab is not applied to it, even when
+    the trainer wrote it a token ranking (loading such a head under the GPU preset used to fail), while
+    asking for one explicitly is still refused."""
+    import fsd_eagle.trees_presets as presets
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(presets, "PRESETS", presets.Path(_presets(tmp_path)))
+    head = EagleHead(HeadConfig.for_target(model.config, arch="eagle3", draft_vocab_size=100)).eval()
+    head.token_ranking = torch.randperm(VOCAB)
+    gen = SpeculativeGenerator(model, None, head)
+    assert gen.set_tree() == TreeConfig(8, 3, 2, 0)
+    with pytest.raises(ConfigError, match="own vocabulary"):
+        gen.set_tree(draft_vocab=32)
