@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import training.distill
+from training.distill import sample_id
 import training.train
 from conftest import tiny_model
 from fsd_eagle.api import SpeculativeGenerator
@@ -315,6 +316,51 @@ def test_distill_regenerates_later_turns_after_the_targets_own_answers(llama):
     # more turns than the conversation has: its third user message is answered, then it ends
     longer = training.distill.distill(model, tokenizer, [three], 2, 64, 6, turns=5)
     assert len(longer) == 1 and len(longer[0].messages) == 6 and longer[0].messages[:4] == msgs
+
+
+def test_distill_samples_several_answers_at_a_temperature(llama):
+    """distill(temperature > 0, samples=N): N answers per conversation under ids <id>, <id>#1, ...; the
+    same seed gives the same answers, another seed other ones; the samples of one prompt differ."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(llama.target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(llama.target)
+    convs = llama.convs[:2]
+
+    def run(seed):
+        made = training.distill.distill(model, tokenizer, convs, 4, 64, 8, temperature=1.5, samples=3, seed=seed)
+        return {c.id: c.messages[-1]["content"] for c in made}
+
+    first = run(0)
+    assert set(first) == {sample_id(c.id, s) for c in convs for s in range(3)}
+    assert sample_id(convs[0].id, 0) == convs[0].id and sample_id(convs[0].id, 2) == f"{convs[0].id}#2"
+    assert run(0) == first
+    assert run(1) != first
+    assert len({first[sample_id(convs[0].id, s)] for s in range(3)}) > 1
+
+
+def test_sampled_distillation_settings_are_checked_and_recorded(llama, tmp_path, capsys):
+    """distill_samples > 1 needs a temperature; a cache's settings file from before these settings counts
+    as greedy (kept for a greedy recipe, refused for a sampled one); the settings are written with the cache."""
+    assert main(llama.argv(tmp_path / "a", "--distill-samples", 2)) == 2
+    assert "needs distill_temperature > 0" in _one_line_error(capsys)
+    assert main(llama.argv(tmp_path / "b", "--distill-temperature", -1)) == 2
+    assert "--distill-temperature must be at least 0" in _one_line_error(capsys)
+    out = tmp_path / "run"
+    assert main(llama.argv(out, "--stage", "distill")) == 0
+    settings = json.loads((out / "distilled.json").read_text())
+    assert settings["distill_temperature"] == 0 and settings["distill_samples"] == 1
+    old = {k: v for k, v in settings.items() if k not in ("distill_temperature", "distill_samples")}
+    (out / "distilled.json").write_text(json.dumps(old))
+    assert main(llama.argv(out, "--stage", "distill", "--resume")) == 0
+    capsys.readouterr()
+    assert main(llama.argv(out, "--stage", "distill", "--resume", "--distill-temperature", 0.7)) == 2
+    assert "distilled with other settings" in _one_line_error(capsys)
+    sampled = tmp_path / "sampled"
+    assert main(llama.argv(sampled, "--stage", "distill", "--distill-temperature", 0.7, "--distill-samples", 2)) == 0
+    with gzip.open(sampled / "distilled.jsonl.gz", "rt") as f:
+        ids = [json.loads(line)["id"] for line in f]
+    assert len(ids) == 2 * RECIPE["distill_count"] and len(set(ids)) == len(ids)
 
 
 def test_a_distilled_cache_of_other_settings_is_refused(llama, tmp_path, capsys):

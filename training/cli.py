@@ -86,7 +86,12 @@ def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 
 def _distill_settings(recipe: Recipe) -> dict:
-    return {k: getattr(recipe, k) for k in ("distill_count", "distill_turns", "distill_prompt_tokens", "distill_new_tokens")}
+    return {k: getattr(recipe, k) for k in ("distill_count", "distill_turns", "distill_prompt_tokens", "distill_new_tokens",
+                                            "distill_temperature", "distill_samples")}
+
+
+#: what a cache whose settings file predates a setting was made with
+_DISTILL_DEFAULTS = {"distill_temperature": 0.0, "distill_samples": 1}
 
 
 def cached_distill_settings(out: Path, recipe: Recipe) -> dict | None:
@@ -97,8 +102,8 @@ def cached_distill_settings(out: Path, recipe: Recipe) -> dict | None:
         return None
     made_with = out / "distilled.json"
     if made_with.exists():
-        return json.loads(made_with.read_text())
-    return {**_distill_settings(recipe), "distill_turns": 1}
+        return {**_DISTILL_DEFAULTS, **json.loads(made_with.read_text())}
+    return {**_distill_settings(recipe), **_DISTILL_DEFAULTS, "distill_turns": 1}
 
 
 def check_distilled(out: Path, recipe: Recipe) -> None:
@@ -127,11 +132,14 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     pool = train_convs[: recipe.distill_count or None]
     first = settings["distill_turns"] + 1 if settings else 1
     turns = f"turn {first}" if first == recipe.distill_turns else f"turns {first}-{recipe.distill_turns}"
-    note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, up to "
+    how = (f"{recipe.distill_samples} answers each sampled at temperature {recipe.distill_temperature:g}, "
+           if recipe.distill_temperature > 0 else "")
+    note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, {how}up to "
          f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}); cached in {cache}")
     distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
                         recipe.distill_new_tokens, recipe.distill_turns, cached,
-                        settings["distill_turns"] if settings else 0)
+                        settings["distill_turns"] if settings else 0, recipe.distill_temperature,
+                        recipe.distill_samples, recipe.seed)
     write_conversations(distilled, cache)
     (out / "distilled.json").write_text(json.dumps(_distill_settings(recipe)) + "\n")
     timings["distill_s"] = round(time.perf_counter() - t, 1)
@@ -143,7 +151,7 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count", "distill_turns", "answers", "init", "unroll", "arch", "layers",
+    for key in ("epochs", "distill_count", "distill_turns", "distill_temperature", "distill_samples", "answers", "init", "unroll", "arch", "layers",
                 "draft_vocab_size"):
         if getattr(args, key) is not None:
             problem = field_problem(key, getattr(args, key))
@@ -355,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--epochs", type=int)
     r.add_argument("--distill-count", type=int)
     r.add_argument("--distill-turns", type=int, help="regenerate the first N assistant turns (default: the recipe's)")
+    r.add_argument("--distill-temperature", type=float,
+                   help="sample the target's answers at this temperature (0: greedy; default: the recipe's)")
+    r.add_argument("--distill-samples", type=int,
+                   help="answers per conversation, sampled (needs --distill-temperature > 0; default: the recipe's)")
     r.add_argument("--answers", choices=("both", "distilled", "original"),
                    help="train on the original answers, the target's own (distilled) ones, or both")
     r.add_argument("--stage", choices=("distill", "all"), default="all")

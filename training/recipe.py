@@ -14,8 +14,8 @@ from fsd_eagle.errors import InputError
 class Recipe:
     """target: local model folder (None = the default SmolLM2-135M-Instruct). data: conversation files
     (jsonl/jsonl.gz from ``python -m training.data prepare``). distill: regenerate the first
-    ``distill_turns`` assistant turns of ``distill_count`` conversations with the target (greedy) and train on
-    both answers."""
+    ``distill_turns`` assistant turns of ``distill_count`` conversations with the target (greedy, or
+    ``distill_samples`` answers sampled at ``distill_temperature``) and train on both answers."""
 
     target: str | None = None
     init: str | None = None  # a head folder to start from (warm start: its weights; a fresh optimizer and schedule)
@@ -27,6 +27,8 @@ class Recipe:
     distill_prompt_tokens: int = 384
     distill_new_tokens: int = 256
     distill_turns: int = 1  # regenerate the first N assistant turns, each after the target's own earlier answers
+    distill_temperature: float = 0.0  # 0 = the target's greedy answers; above 0 = sampled at this temperature
+    distill_samples: int = 1  # answers per conversation (more than 1 needs distill_temperature > 0)
     max_len: int = 1024
     tokens_per_batch: int = 16384
     epochs: int = 6
@@ -88,6 +90,9 @@ class Recipe:
                 raise InputError(f"{where}: {f.name} {problem}")
         if self.arch == "eagle2" and (self.layers or self.draft_vocab_size):
             raise InputError(f"{where}: layers and draft_vocab_size are eagle3 settings (arch is eagle2)")
+        if self.distill_samples > 1 and self.distill_temperature == 0:
+            raise InputError(f"{where}: distill_samples {self.distill_samples} needs distill_temperature > 0 "
+                             "(greedy answers would all be the same)")
         if self.arch == "eagle2" and self.feature_weight == 0 and self.ce_weight == 0:
             raise InputError(f"{where}: feature_weight and ce_weight are both 0 (nothing to learn)")
 
@@ -98,13 +103,13 @@ class Recipe:
 MAX_INT = 2**31 - 1  # no count or size of a run comes near it; larger values are typos or overflow
 # name -> (least, most) for integers; seeds also feed torch.manual_seed (at most 2**63 - 1)
 INT_RANGES = {"distill_count": (0, MAX_INT), "distill_batch": (1, MAX_INT), "distill_prompt_tokens": (1, MAX_INT),
-              "distill_new_tokens": (1, MAX_INT), "distill_turns": (1, MAX_INT), "max_len": (2, MAX_INT),
+              "distill_new_tokens": (1, MAX_INT), "distill_turns": (1, MAX_INT), "distill_samples": (1, 64), "max_len": (2, MAX_INT),
               "tokens_per_batch": (1, MAX_INT), "epochs": (1, MAX_INT), "max_steps": (0, MAX_INT),
               "warmup_steps": (0, MAX_INT), "unroll": (1, 64), "val_prompts": (0, MAX_INT),
               "val_new_tokens": (1, MAX_INT), "checkpoint_every": (1, MAX_INT), "seed": (0, 2**63 - 1),
               "draft_vocab_size": (0, MAX_INT)}
 # name -> (least, whether the least is allowed, most or None) for numbers; every one must be finite
-FLOAT_RANGES = {"lr": (0.0, True, None), "weight_decay": (0.0, True, None), "grad_clip": (0.0, False, None),
+FLOAT_RANGES = {"distill_temperature": (0.0, True, None), "lr": (0.0, True, None), "weight_decay": (0.0, True, None), "grad_clip": (0.0, False, None),
                 "feature_weight": (0.0, True, None), "ce_weight": (0.0, True, None), "noise": (0.0, True, None),
                 "unroll_decay": (0.0, True, None), "val_fraction": (0.0, True, 1.0)}
 ANSWERS = ("both", "distilled", "original")
