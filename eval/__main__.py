@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--questions", choices=("mt_bench", "spec_bench"), default="mt_bench")
     p.add_argument("--limit", type=int, help="questions (default: all)")
+    p.add_argument("--per-category", type=int, metavar="N",
+                   help="only the first N questions of each category (a stratified subset; after --limit)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", help="also write the JSON to OUT/tau.json")
 
@@ -116,10 +118,12 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
-    from .tasks import load_mt_bench, load_spec_bench
+    from .tasks import first_per_category, load_mt_bench, load_spec_bench
     from .tau import measure_tau
 
     questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
+    if a.per_category is not None:
+        questions = first_per_category(questions, a.per_category)
     result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers)
     text = json.dumps(result)
     if a.out:

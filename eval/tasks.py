@@ -197,6 +197,19 @@ def load_mt_bench(limit: int | None = None, data_dir: Path | str = DATA_DIR) -> 
     return _load_chat_questions(Path(data_dir) / "mt_bench" / "question.jsonl", limit)
 
 
+def first_per_category(questions: list[ChatQuestion], n: int) -> list[ChatQuestion]:
+    """The first ``n`` questions of each category, in their order: a stratified subset (every category
+    weighs the same as in the whole set when each has at least ``n``)."""
+    _check_limit(n)
+    seen: dict[str, int] = {}
+    out = []
+    for q in questions:
+        if seen.get(q.category, 0) < n:
+            seen[q.category] = seen.get(q.category, 0) + 1
+            out.append(q)
+    return out
+
+
 def load_chat_benchmark(limit: int | None = None, data_dir: Path | str = DATA_DIR) -> list[ChatQuestion]:
     """MT-bench's 80 questions, then Spec-Bench's questions in file order without its copy of MT-bench
     (subtask "mt_bench"): 480 distinct chat questions, the first ``limit`` of them. MT-bench comes first,

@@ -222,6 +222,23 @@ def test_sweep_settings_record_the_resolved_tree(folders, tmp_path):
     assert json.loads((out / "settings.json").read_text())["tree"] == resolve_tree(str(folders / "target"), "cpu", None)
 
 
+def test_first_per_category_keeps_the_first_questions_of_each_category():
+    from eval.tasks import first_per_category, load_spec_bench
+    from fsd_eagle.errors import InputError
+
+    questions = load_spec_bench()
+    subset = first_per_category(questions, 3)
+    counts = {}
+    for q in subset:
+        counts[q.category] = counts.get(q.category, 0) + 1
+    assert set(counts) == {q.category for q in questions} and set(counts.values()) == {3}
+    assert subset == [q for q in questions if q in subset]  # file order kept
+    assert [q.question_id for q in subset if q.category == "writing"] == \
+        [q.question_id for q in questions if q.category == "writing"][:3]
+    with pytest.raises(InputError):
+        first_per_category(questions, -1)
+
+
 def test_tau_command(folders, tmp_path, capsys):
     out = tmp_path / "tau"
     assert eval_main(["tau", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
