@@ -240,3 +240,30 @@ def test_unsharded_target_keeps_every_head(folders):
 
     model, _ = load_target(folders["qwen3"][0], torch.device("cpu"), torch.float32)
     assert tp_size_of(model) == 1 and Target(model).num_kv_heads == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="a CPU smoke run over gloo (on GPUs the script times NCCL and symmetric memory)")
+def test_allreduce_bench_runs_over_gloo(tmp_path):
+    """eval/device/allreduce_bench.py under torchrun with two CPU ranks: one row per message size, the
+    matmul alone and with torch.distributed's all-reduce, and the all-reduce's share."""
+    import json
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    out = tmp_path / "allreduce.json"
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", "eval/device/allreduce_bench.py", "--out", str(out),
+                        "--rows", "1,4", "--k", "64", "--hidden", "32", "--reps", "4"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and not result["graphs"]
+    assert [row["rows"] for row in result["rows"]] == [1, 4]
+    for row in result["rows"]:
+        assert row["k_per_rank"] == 32 and row["message_bytes"] == row["rows"] * 32 * 4
+        assert row["dist_us"] > row["matmul_us"] > 0
+        assert abs(row["dist_allreduce_us"] - (row["dist_us"] - row["matmul_us"])) < 0.02
