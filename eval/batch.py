@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from fsd_eagle.decode import freezing
 from fsd_eagle.errors import ConfigError, InputError
 
 from .runinfo import git_commit, versions, write_json_atomic
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": torch.get_num_threads(),
                 "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "hf_limit": a.hf_limit,
                 "temperature": a.temperature, "top_p": a.top_p if a.temperature else 1.0, "seed": a.seed,
-                "tree": tree.to_dict(), "compile": a.compile, "warmup": a.warmup}
+                "tree": tree.to_dict(), "compile": a.compile, "inductor_freezing": freezing(), "warmup": a.warmup}
     meta = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m eval batch " + " ".join(argv), "git_commit": a.code or git_commit(),
             **versions(), "device": device, "dtype": dtype}

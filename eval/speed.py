@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, draft_model=a.draft_model, device=a.device,
                                     dtype=a.dtype, threads=a.threads, tp_size=a.tp)
+    from fsd_eagle.decode import freezing
     from fsd_eagle.parallel import is_main_rank
 
     if a.tp > 1:  # the rounds alone: every rank runs them, rank 0 reports
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                        "draft_model": a.draft_model,
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
-                       "commit": a.code or git_commit(short=True),
+                       "commit": a.code or git_commit(short=True), "inductor_freezing": freezing(),
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     if a.out != os.devnull:

@@ -7,6 +7,7 @@ its root alone. Everything here is device code without host syncs; ``fsd_eagle.s
 from __future__ import annotations
 
 import functools
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -211,22 +212,38 @@ def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState,
 RECOMPILE_LIMIT = 64
 
 
+#: Set to 1 to compile with inductor's freezing (``_compile``); an experiment until measured on GPUs.
+FREEZING_ENV = "FSD_EAGLE_INDUCTOR_FREEZING"
+
+
+def freezing() -> bool:
+    """Whether compiled rounds and prefills use inductor's freezing (``FSD_EAGLE_INDUCTOR_FREEZING=1``):
+    the weights become constants of the compiled code, so that matmuls of one input (q/k/v, gate/up) are
+    fused into one (7 of a Llama layer's matmuls become 4); the weights must not change after the first
+    compilation (an Engine's never do), and the fused copies take memory beside the weights."""
+    return os.environ.get(FREEZING_ENV, "").strip() == "1"
+
+
 def _compile(fn, dynamic: bool = False):
     """``fn`` compiled by inductor. Static shapes, or with ``dynamic``: symbolic for the dimensions that its
     caller marks (``mark_batch_dynamic``) from the first compilation on, and, by dynamo's automatic dynamic
     shapes, for any other dimension once it differs from an earlier compilation (a prefill's padded prompt
     length). Duck sizing (one symbol for dimensions that happen to be equal, such as a batch of 8 and a
     top-k of 8) is turned off while tracing: it would tie the batch to the tree and compile again for the
-    next size. Kernels of ``FSD_EAGLE_COMPILE_CACHE`` (fsd_eagle.compile_cache) are loaded first."""
+    next size. With ``freezing()``, compiled with inductor's freezing. Kernels of ``FSD_EAGLE_COMPILE_CACHE``
+    (fsd_eagle.compile_cache) are loaded first."""
     compile_cache.restore()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=None if dynamic else False)
-    if not dynamic:
+    freeze = freezing()
+    if not dynamic and not freeze:
         return compiled
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # Called for warm-ups and captures (graphs replay the rounds), so the patches cost nothing per round.
+        with torch.fx.experimental._config.patch(use_duck_shape=not dynamic), \
+                torch._inductor.config.patch(freezing=freeze), torch.no_grad():
             return compiled(*args, **kwargs)
 
     return call

@@ -1286,12 +1286,19 @@ def test_flex_block_lists_keep_a_symbolic_batch_size(window):
 
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-@pytest.mark.parametrize("backend,draft_vocab", [("sdpa", 0), ("flex", 0), ("sdpa", 64)])
-def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab):
+@pytest.mark.parametrize("backend,draft_vocab,freeze", [("sdpa", 0, False), ("flex", 0, False), ("sdpa", 64, False),
+                                                        ("sdpa", 0, True)])
+def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab, freeze, monkeypatch):
     """What the GPU path compiles (decode.compiled_round, one graph for the whole round) gives the eager
     round's outputs, round after round, with a drafter and a tree whose paths are partly accepted (also
-    with a draft vocabulary)."""
+    with a draft vocabulary, and with inductor's freezing, whose fused matmuls must not change a token)."""
+    import fsd_eagle.decode as decode_module
+
     torch._dynamo.reset()
+    compiled_round.cache_clear()  # made again: it reads whether to freeze when it is made
+    if freeze:
+        monkeypatch.setenv(decode_module.FREEZING_ENV, "1")
+        monkeypatch.setattr(torch._inductor.config.cpp, "enable_concat_linear", True)  # the CPU's switch for it
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3, draft_vocab=draft_vocab)
     results = []
     model = copy.deepcopy(tiny_llama)
@@ -1303,6 +1310,15 @@ def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab)
         next(decode(session, prompt, 2, GREEDY))  # the prefill and one round
         target, drafter = session.target, session.drafter
         assert target.attention == drafter.model.attention == backend
-        results.append(torch.stack([fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(5)]))
+        if freeze and fn is not run_round:  # the first call compiles: its code holds the weights as constants
+            from torch._inductor.utils import run_and_get_code
+
+            first, code = run_and_get_code(fn, target, drafter, session.state, cfg, GREEDY.form)
+            assert "_frozen_param" in "\n".join(code)
+            rounds = [first] + [fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(4)]
+        else:
+            rounds = [fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(5)]
+        results.append(torch.stack(rounds))
+    compiled_round.cache_clear()
     assert torch.equal(results[0], results[1])
     assert (results[0][:, 0, 0] > 1).any()  # some round accepted drafted tokens (n_accepted of row 0)

@@ -21,7 +21,7 @@ from profile_round import replay_ms  # noqa: E402
 
 SETTINGS = {
     "default": {},
-    "freezing": {"options": {"freezing": True}},
+    "freezing": {"freeze": True},  # q/k/v and gate/up matmuls fused (FSD_EAGLE_INDUCTOR_FREEZING in rounds)
     "coordinate_descent": {"options": {"coordinate_descent_tuning": True}},
     "max_autotune": {"mode": "max-autotune-no-cudagraphs"},
 }
@@ -39,13 +39,17 @@ def forward_ms(gen, n: int, setting: dict, reps: int = 50) -> float:
         return target.logits(target.forward_tree(tokens, depths, anc))
 
     torch._dynamo.reset()
+    setting = dict(setting)
+    # freezing as a config patch around the compiling calls (as fsd_eagle.decode._compile does), under no_grad
+    freeze = setting.pop("freeze", False)
     compiled = torch.compile(fn, dynamic=False, **setting)
-    for _ in range(2):
-        compiled()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        compiled()
+    with torch._inductor.config.patch(freezing=freeze), torch.no_grad():
+        for _ in range(2):
+            compiled()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compiled()
     return replay_ms(graph, reps)
 
 
