@@ -153,7 +153,7 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
         sharding = {}
         if tp_size > 1:
             parallel.check_divides(config, tp_size)
-            sharding = {"distributed_config": parallel.distributed_config(tp_size)}
+            sharding = {"distributed_config": parallel.distributed_config(tp_size, config)}
         model, info = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, attn_implementation="sdpa",
                                                            trust_remote_code=False, output_loading_info=True,
                                                            **sharding)

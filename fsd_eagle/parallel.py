@@ -151,10 +151,17 @@ def check_divides(config, tp_size: int) -> None:
             raise ConfigError(f"tp_size {tp_size} does not divide the model's {count} {what}")
 
 
-def distributed_config(tp_size: int):
-    """transformers' DistributedConfig for a tensor-parallel load with the model's own plan."""
+def distributed_config(tp_size: int, config=None):
+    """transformers' DistributedConfig for a tensor-parallel load with the model's own plan, or with
+    ``FSD_EAGLE_TP_ALLREDUCE=symm`` the same plan summing row-parallel outputs through
+    ``fsd_eagle.tp_allreduce`` (needs the model's ``config``)."""
     from transformers.distributed import DistributedConfig
 
+    from . import tp_allreduce
+
+    if tp_allreduce.mode() == "symm" and config is not None:
+        tp_allreduce.register_style()
+        return DistributedConfig(tp_size=tp_size, tp_plan=tp_allreduce.symm_plan(config))
     return DistributedConfig(tp_size=tp_size)
 
 

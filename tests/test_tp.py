@@ -57,19 +57,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, folders: dict, queue) -> None:
-    """One rank: every arch's cases with tp_size = world; (rank, results or the error) into ``queue``."""
+def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict | None = None) -> None:
+    """One rank: every arch's cases with tp_size = world; (rank, results or the error) into ``queue``; the
+    results also say how many sums fsd_eagle.tp_allreduce made (``allreduce_calls``)."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env or {}))
     torch.set_num_threads(1)
     from fsd_eagle.cli import quiet_transformers
 
     quiet_transformers()
     try:
+        from fsd_eagle import tp_allreduce
+
         results = {arch: decode_all(target, head, world) for arch, (target, head) in folders.items()}
-        queue.put((rank, results))
+        queue.put((rank, {**results, "allreduce_calls": tp_allreduce.calls}))
     except Exception:  # noqa: BLE001 (reported to the test, which fails with it)
         queue.put((rank, traceback.format_exc()))
     finally:
@@ -78,14 +81,15 @@ def _rank_main(rank: int, world: int, port: int, folders: dict, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, folders: dict, timeout_s: float = 120.0) -> dict[int, object]:
-    """Start ``world`` CPU processes (spawned, gloo) running ``_rank_main``; their results by rank."""
+def run_ranks(world: int, folders: dict, timeout_s: float = 120.0, env: dict | None = None) -> dict[int, object]:
+    """Start ``world`` CPU processes (spawned, gloo) running ``_rank_main`` (with ``env`` set); their results
+    by rank."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, folders, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, folders, queue, env)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -133,13 +137,19 @@ def gloo_tensor_parallel() -> str | None:
 
 
 @pytest.mark.skipif(gloo_tensor_parallel() is not None, reason=str(gloo_tensor_parallel()))
-def test_two_ranks_decode_what_one_decodes(folders):
+@pytest.mark.parametrize("allreduce", ["nccl", "symm"])
+def test_two_ranks_decode_what_one_decodes(folders, allreduce):
+    """Every case decodes the same tokens on two ranks as on one; with FSD_EAGLE_TP_ALLREDUCE=symm the
+    row-parallel layers sum through fsd_eagle.tp_allreduce (on the CPU its torch.distributed path)."""
     from fsd_eagle.cli import quiet_transformers
 
     quiet_transformers()
     reference = {arch: decode_all(target, head, 1) for arch, (target, head) in folders.items()}
-    ranks = run_ranks(2, folders)
+    ranks = run_ranks(2, folders, env={"FSD_EAGLE_TP_ALLREDUCE": allreduce})
     for rank, got in sorted(ranks.items()):
+        assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
+        # two sums per decoder layer and target forward go through the op with symm, none without
+        assert (got["allreduce_calls"] > 0) == (allreduce == "symm"), got["allreduce_calls"]
         assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
         for arch in ARCHS:
             ref, tp = reference[arch], got[arch]
@@ -189,6 +199,17 @@ def test_launch_must_match_tp_size(folders, monkeypatch):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="tp_size must be an integer >= 1"):
             SpeculativeGenerator.load(folders["llama"][0], device="cpu", tp_size=bad)
+
+
+def test_an_unknown_allreduce_mode_is_refused(monkeypatch):
+    from fsd_eagle import tp_allreduce
+    from fsd_eagle.errors import ConfigError
+
+    monkeypatch.setenv(tp_allreduce.MODE_ENV, "fast")
+    with pytest.raises(ConfigError, match="must be nccl or symm"):
+        tp_allreduce.mode()
+    monkeypatch.setenv(tp_allreduce.MODE_ENV, "SYMM")
+    assert tp_allreduce.mode() == "symm"
 
 
 def test_backend_without_nccl(monkeypatch):
@@ -246,7 +267,8 @@ def test_unsharded_target_keeps_every_head(folders):
                     reason="a CPU smoke run over gloo (on GPUs the script times NCCL and symmetric memory)")
 def test_allreduce_bench_runs_over_gloo(tmp_path):
     """eval/device/allreduce_bench.py under torchrun with two CPU ranks: one row per message size, the
-    matmul alone and with torch.distributed's all-reduce, and the all-reduce's share."""
+    matmul alone, with torch.distributed's all-reduce and with fsd_eagle.tp_allreduce's (its fallback here),
+    and the all-reduce's share."""
     import json
     import shutil
     import subprocess
@@ -265,5 +287,6 @@ def test_allreduce_bench_runs_over_gloo(tmp_path):
     assert [row["rows"] for row in result["rows"]] == [1, 4]
     for row in result["rows"]:
         assert row["k_per_rank"] == 32 and row["message_bytes"] == row["rows"] * 32 * 4
-        assert row["dist_us"] > row["matmul_us"] > 0
+        assert row["dist_us"] > row["matmul_us"] > 0 and row["symm_us"] > row["matmul_us"]
         assert abs(row["dist_allreduce_us"] - (row["dist_us"] - row["matmul_us"])) < 0.02
+        assert "no symmetric memory" in row["notes"]["symm"]  # the CPU sums with torch.distributed

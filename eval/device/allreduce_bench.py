@@ -4,8 +4,9 @@ ranks}, for n = 1 (a decoding step) and n = 64 (a 64-node tree), and the same gr
 the difference per iteration is what one all-reduce adds. Variants of the sum:
 
 - ``dist``: ``torch.distributed.all_reduce`` in place (NCCL; what transformers' row-parallel layers call);
-- ``symm_one_shot``: PyTorch's symmetric-memory one-shot all-reduce (``torch.ops.symm_mem``), where this
-  torch build has it and the ranks' memory can be mapped (NVLink P2P; multicast stays off).
+- ``symm``: ``fsd_eagle.tp_allreduce.tp_all_reduce`` (what ``FSD_EAGLE_TP_ALLREDUCE=symm`` makes the target's
+  row-parallel layers call): PyTorch's symmetric-memory one-shot all-reduce where this torch build has it
+  and the ranks' memory can be mapped (NVLink P2P; multicast stays off), else the same NCCL sum.
 
 Every variant's sums are checked against ``dist``'s on the same inputs first. Sharded shapes of a Llama-3-8B
 layer's o_proj by default (k = 4096, h = 4096, N = world size).
@@ -34,22 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def dist_sum(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
     return x
-
-
-class OneShot:
-    """The symmetric-memory one-shot all-reduce over a buffer of ``numel`` elements, set up (allocated and
-    exchanged between the ranks) before any capture."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.group = dist.group.WORLD.group_name
-        self.buf = symm_mem.empty(numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buf, self.group)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(self.buf[:n], x.reshape(-1), "sum", self.group).view_as(x)
 
 
 def graph_us(fn, reps: int, device: torch.device) -> float:
@@ -90,19 +75,18 @@ def bench(rows: int, k: int, h: int, reps: int, device: torch.device, dtype: tor
     x = torch.randn(rows, k // world, generator=gen).to(device, dtype)
     w = (torch.randn(k // world, h, generator=gen) / k ** 0.5).to(device, dtype)
     out = torch.empty(rows, h, device=device, dtype=dtype)
-    variants = {"dist": dist_sum}
+    from fsd_eagle import tp_allreduce
+
+    group = tp_allreduce.use_group(dist.group.WORLD)
+    variants = {"dist": dist_sum, "symm": lambda y: tp_allreduce.tp_all_reduce(y, group)}
     notes = {}
-    if device.type == "cuda":
-        try:
-            variants["symm_one_shot"] = OneShot(rows * h, dtype, device)
-        except (RuntimeError, AttributeError, ImportError, NotImplementedError) as e:
-            notes["symm_one_shot"] = f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     reference = dist_sum(x @ w)
-    for name, fn in list(variants.items())[1:]:
-        got = fn(x @ w)
-        if not torch.equal(got, reference):
-            notes[name] = f"sums differ from torch.distributed.all_reduce's (max {float((got - reference).abs().max()):.3g}); not timed"
-            del variants[name]
+    got = variants["symm"](x @ w)  # the first sum sets up the symmetric buffer (before any capture)
+    if not tp_allreduce.symmetric(group):
+        notes["symm"] = "no symmetric memory here: the op summed with torch.distributed"
+    if not torch.equal(got, reference):
+        notes["symm"] = f"sums differ from torch.distributed.all_reduce's (max {float((got - reference).abs().max()):.3g}); not timed"
+        del variants["symm"]
 
     def matmul_only():
         torch.matmul(x, w, out=out)

@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eval.runinfo import git_commit, versions
     from eval.tasks import load_mt_bench
+    from fsd_eagle import tp_allreduce
     from fsd_eagle.cli import quiet_transformers
 
     quiet_transformers()
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                        "command": "torchrun --nproc-per-node " + str(world) + " eval/device/tp_check.py "
                                   + " ".join(argv if argv is not None else sys.argv[1:]),
                        "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "batch": a.batch,
-                       "compile": a.compile}}
+                       "compile": a.compile, "tp_allreduce": tp_allreduce.mode()}}
     if not a.skip_exact:
         result["exactness"] = check_exactness(work, world, a.device)
     if not a.skip_speed:
