@@ -46,6 +46,7 @@ case "$*" in
   "-m training run"*"--stage distill"*) echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json" ;;
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
   "-m eval tau"*) echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
+  "-m eval speed"*) echo '{"rows": []}' > "$out" ;;
   *) echo "default target at /nowhere" ;;
 esac
 """
@@ -53,8 +54,9 @@ esac
 
 def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     """eval/device/head.sh with a stand-in python3: one self-distillation, each arm trained in its own folder
-    from a copy of the distilled answers with its own options, tau per arm, the heads packed once the job
-    has ended; a second command does not start the finished job again."""
+    from a copy of the distilled answers with its own options, tau per arm, the speed benchmark on the first
+    arm's head, the heads packed once the job has ended; a second command does not start the finished job
+    again."""
     work, fake, res, out, store = (tmp_path / n for n in ("work", "bin", "res", "out", "store"))
     (work / "eval" / "device").mkdir(parents=True)
     for name in ("head.sh", "assemble.sh", "job.sh"):
@@ -66,7 +68,7 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     (store / ".unpacked").touch()
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
            "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0",
-           "ARMS": "a=--arch eagle2;b=--arch eagle3 --layers 2 15 27"}
+           "ARMS": "a=--arch eagle2;b=--arch eagle3 --layers 2 15 27", "SPEED": "--device cuda --limit 80"}
     for _ in range(2):
         out.mkdir(exist_ok=True)
         for f in out.iterdir():
@@ -83,7 +85,9 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert f"--out {res}/a " in arms[0] and "--arch eagle2" in arms[0]
     assert f"--out {res}/b " in arms[1] and "--arch eagle3 --layers 2 15 27" in arms[1]
     assert len([c for c in calls if c.startswith("-m eval tau")]) == 2
-    assert sorted(f.name for f in out.iterdir()) == ["head.log", "heads.tar", "tau_a.json", "tau_b.json"]
+    assert [c for c in calls if c.startswith("-m eval speed")] == \
+        [f"-m eval speed --device cuda --limit 80 --head {res}/a/head --out {res}/speed.json"]  # the first arm's
+    assert sorted(f.name for f in out.iterdir()) == ["head.log", "heads.tar", "speed.json", "tau_a.json", "tau_b.json"]
     assert (res / "distill" / ".sent").is_file()  # the distilled answers came back with the first command
     listing = subprocess.run(["tar", "-tf", str(out / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing

@@ -23,6 +23,9 @@
 #   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
 #               it as <file>.json)
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
+#   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
+#               added; rows in speed.json, copied to $OUT), e.g. SPEED="--device cuda --dtype bfloat16 --limit 80
+#               --repeats 1 --methods ar,eagle2 --temperatures 0,0.7 --backends compiled --rows-only"
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -49,7 +52,7 @@ if needs_start; then
   # bash -c records its own pid (alive while the job goes on) and the exit status of the stage that ended it.
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
-      TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" \
+      TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
       target=()
@@ -77,6 +80,11 @@ if needs_start; then
         python3 -m eval tau --questions mt_bench "${target[@]}" --head "$0/$name/head" --device cuda \
             --dtype bfloat16 --workers "$TAU_WORKERS" --out "$0/$name" >> "$0/log" 2>&1 || fail $?
       done
+      if [ -n "$SPEED" ] && [ ! -f "$0/speed.json" ]; then
+        read -r -a speed <<< "$SPEED"
+        python3 -m eval speed "${speed[@]}" "${target[@]}" --head "$0/${arms[0]%%=*}/head" --out "$0/speed.json" \
+            >> "$0/log" 2>&1 || fail $?
+      fi
       echo 0 > "$0/rc"' "$RES" "$@" > /dev/null 2>&1 &)
   sleep 2
 fi
@@ -90,6 +98,7 @@ if [ -n "${OUT:-}" ]; then
   if [ -f "$RES/distill/distilled.json" ] && [ ! -f "$RES/distill/.sent" ]; then
     cp "$RES/distill/distilled.jsonl.gz" "$RES/distill/distilled.json" "$OUT/" && touch "$RES/distill/.sent"
   fi
+  cp "$RES/speed.json" "$OUT/" 2> /dev/null || cp "$RES/speed.partial.json" "$OUT/" 2> /dev/null || true
   for name in "${names[@]}"; do
     cp "$RES/$name/tau.json" "$OUT/tau_$name.json" 2> /dev/null || true
     cp "$RES/$name/checkpoint/progress.json" "$OUT/progress_$name.json" 2> /dev/null || true
