@@ -131,7 +131,7 @@ def symm_plan(config) -> dict[str, str]:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        plan = dict(AutoModelForCausalLM.from_config(config).tp_plan)
+        plan = dict(AutoModelForCausalLM.from_config(config, trust_remote_code=False).tp_plan)
     if "rowwise" not in plan.values():
         raise ConfigError(f"{MODE_ENV}=symm: this model's tensor-parallel plan has no row-parallel layer")
     return {key: STYLE if style == "rowwise" else style for key, style in plan.items()}
