@@ -254,6 +254,13 @@ def test_batch_entry_picks_the_fastest_autoregressive_included():
     entry = tune.batch_entry(rows, 8, "8 prompts")
     assert entry["tree"] == b.to_dict() and entry["measured"]["speedup_vs_ar"] == 1.2
     assert entry["measured"]["batch_size"] == 8 and entry["measured"]["tokens_per_s"] == 60.0
+    # a tree that beats AR by less than the margin (default 1.05) is not worth drafting
+    rows[2]["tokens_per_s"] = 51.0
+    entry = tune.batch_entry(rows, 64, "64 prompts")
+    assert entry["tree"] == "autoregressive" and entry["measured"]["speedup_vs_ar"] == 1.0
+    assert "at least 1.05x" in entry["measured"]["validation"]
+    assert tune.batch_entry(rows, 64, "64 prompts", min_speedup=1.0)["tree"] == b.to_dict()
+    assert tune.fastest(rows[1:], 2.0) is rows[2]  # without an AR row, the fastest tree
     with pytest.raises(ValueError):
         tune.fastest([])
 

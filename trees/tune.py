@@ -649,17 +649,29 @@ def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batc
              "new_tokens": new, "seconds": seconds} for cfg, (new, fwd, seconds) in totals.items()]
 
 
-def fastest(rows: Sequence[dict]) -> dict:
-    """The batch bucket's choice: the row with the best tokens/s, autoregressive decoding included."""
+#: A batch bucket drafts only when a tree beat autoregressive decoding by this factor in tuning: the tuner's
+#: short answers flatter trees against long runs (H100, 2026-11-27: 1.53x / 1.14x at batch 8 / 32 in tuning,
+#: 1.26x / 1.01x over 480 prompts of 256 tokens), and a tree that barely wins costs memory for nothing.
+MIN_BATCH_SPEEDUP = 1.05
+
+
+def fastest(rows: Sequence[dict], min_speedup: float = 1.0) -> dict:
+    """The batch bucket's choice: the row with the best tokens/s, autoregressive decoding included; a
+    drafting tree only if it beat autoregressive decoding (when measured) by ``min_speedup``."""
     if not rows:
         raise ValueError("no candidate was measured")
-    return max(rows, key=lambda r: r["tokens_per_s"])
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    ar = next((r for r in rows if not r["tree"].drafts), None)
+    if best["tree"].drafts and ar is not None and best["tokens_per_s"] < min_speedup * ar["tokens_per_s"]:
+        return ar
+    return best
 
 
-def batch_entry(rows: Sequence[dict], batch_size: int, runs: str) -> dict:
-    """The presets entry of a batch bucket from measured rows: the fastest tree ("autoregressive" when
-    decoding without a drafter won) and every candidate's numbers."""
-    choice = fastest(rows)
+def batch_entry(rows: Sequence[dict], batch_size: int, runs: str, min_speedup: float = MIN_BATCH_SPEEDUP) -> dict:
+    """The presets entry of a batch bucket from measured rows: the fastest tree if it beat autoregressive
+    decoding by ``min_speedup`` ("autoregressive" otherwise, or when decoding without a drafter won) and
+    every candidate's numbers."""
+    choice = fastest(rows, min_speedup)
     ar = next((r for r in rows if not r["tree"].drafts), None)
     measured = {"tuned": True, "batch_size": batch_size, "tokens_per_s": round(choice["tokens_per_s"], 3),
                 "tau": round(choice["tau"], 3)}
@@ -667,21 +679,23 @@ def batch_entry(rows: Sequence[dict], batch_size: int, runs: str) -> dict:
         measured["speedup_vs_ar"] = round(choice["tokens_per_s"] / ar["tokens_per_s"], 3)
     measured["validation"] = (f"{runs}, greedy, gen.generate(prompts, batch_size={batch_size}) per candidate, "
                               "candidates in rotating order; tokens_per_s = new tokens of all prompts / wall "
-                              "time; chosen: the best tokens_per_s, autoregressive decoding included")
+                              "time; chosen: the best tokens_per_s, autoregressive decoding included, a tree "
+                              f"only if at least {min_speedup:g}x autoregressive decoding")
     measured["candidates"] = [row_json(r) for r in rows]
     tree = choice["tree"]
     return {"tree": tree.to_dict() if tree.drafts else AUTOREGRESSIVE, "measured": measured}
 
 
 def tune_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batch_size: int, *,
-               max_new_tokens: int = 64, repeats: int = 1, log: Callable[[str], None] = _log) -> dict:
+               max_new_tokens: int = 64, repeats: int = 1, log: Callable[[str], None] = _log,
+               min_speedup: float = MIN_BATCH_SPEEDUP) -> dict:
     """Measure the candidates for one batch bucket (``measure_batch``) and return its presets entry
     ({"tree": ..., "measured": ...}; "measured" without the run's description, which the caller adds)."""
     start = time.perf_counter()
     rows = measure_batch(gen, prompts, candidates, batch_size, max_new_tokens=max_new_tokens, repeats=repeats,
                          log=log)
     entry = batch_entry(rows, batch_size, f"{len(prompts)} prompts, {max_new_tokens} new tokens, "
-                                          f"{repeats} pass(es)")
+                                          f"{repeats} pass(es)", min_speedup)
     entry["measured"] = {"tuned": True, "method": "batched: every candidate decoded for real through the public API",
                          "compiled_rounds": bool(getattr(gen, "compile", False)),
                          **{k: v for k, v in entry["measured"].items() if k != "tuned"},
@@ -798,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-trees", type=_trees, default=(), metavar="T/D/K,...",
                    help="more candidates for every bucket above 1")
     p.add_argument("--batch-repeats", type=int, default=2, help="timed passes over a bucket's prompts per candidate")
+    p.add_argument("--min-batch-speedup", type=float, default=MIN_BATCH_SPEEDUP,
+                   help="a batch bucket drafts only with a tree at least this x autoregressive decoding's tokens/s")
     p.add_argument("--batch-fill", type=int, default=4,
                    help="batches of prompts a bucket decodes (prompts = this x B), so that refills run as in use")
     p.add_argument("--resume", action="store_true",
@@ -808,6 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--batch-repeats", a.batch_repeats), ("--batch-fill", a.batch_fill)):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(a.min_batch_speedup) and a.min_batch_speedup > 0):
+        p.error(f"--min-batch-speedup must be a number > 0, got {a.min_batch_speedup}")
 
     cores = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -875,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
         n = batch_prompt_count(b, a.validate, a.batch_fill)
         candidates = batch_candidates(winner, a.batch_trees)
         _log(f"{name} on {a.device}, batch {b}: {', '.join(c.label for c in candidates)} on {n} prompts")
-        entry = tune_batch(gen, prompts[:n], candidates, b, max_new_tokens=a.max_new_tokens, repeats=a.batch_repeats)
+        entry = tune_batch(gen, prompts[:n], candidates, b, max_new_tokens=a.max_new_tokens, repeats=a.batch_repeats,
+                           min_speedup=a.min_batch_speedup)
         entries[b] = described(entry, [src for src, _ in texts[:n]], {"bucket_1_tree": winner.label})
         save(b, entries[b])
     print(json.dumps({name: {a.device: {**entries.get(1, {}),
