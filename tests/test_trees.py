@@ -455,7 +455,7 @@ def test_tuner_writes_each_bucket_at_once_and_resume_keeps_them(tmp_path, monkey
     out = tmp_path / "presets.json"
     argv = ["--device", "cpu", "--threads", "1", "--target", str(folders / "target"), "--head", str(folders / "head"),
             "--out", str(out), "--batch-sizes", "2,4", "--max-new-tokens", "3", "--validate", "1",
-            "--batch-fill", "1"]
+            "--batch-new-tokens", "3", "--batch-fill", "1"]
     measured, real = [], tune.tune_batch
 
     def failing_at_4(gen, prompts, candidates, b, **kw):

@@ -812,6 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-trees", type=_trees, default=(), metavar="T/D/K,...",
                    help="more candidates for every bucket above 1")
     p.add_argument("--batch-repeats", type=int, default=2, help="timed passes over a bucket's prompts per candidate")
+    p.add_argument("--batch-new-tokens", type=int, default=256,
+                   help="new tokens per prompt in batch buckets (default 256, as the batched benchmark decodes: a "
+                        "tree's lead over autoregressive decoding shrinks over long answers)")
     p.add_argument("--min-batch-speedup", type=float, default=MIN_BATCH_SPEEDUP,
                    help="a batch bucket drafts only with a tree at least this x autoregressive decoding's tokens/s")
     p.add_argument("--batch-fill", type=int, default=4,
@@ -821,7 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores that the load average leaves idle, at least 1)")
     a = p.parse_args(argv)
-    for flag, value in (("--batch-repeats", a.batch_repeats), ("--batch-fill", a.batch_fill)):
+    for flag, value in (("--batch-repeats", a.batch_repeats), ("--batch-fill", a.batch_fill),
+                        ("--batch-new-tokens", a.batch_new_tokens)):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(a.min_batch_speedup) and a.min_batch_speedup > 0):
@@ -893,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         n = batch_prompt_count(b, a.validate, a.batch_fill)
         candidates = batch_candidates(winner, a.batch_trees)
         _log(f"{name} on {a.device}, batch {b}: {', '.join(c.label for c in candidates)} on {n} prompts")
-        entry = tune_batch(gen, prompts[:n], candidates, b, max_new_tokens=a.max_new_tokens, repeats=a.batch_repeats,
+        entry = tune_batch(gen, prompts[:n], candidates, b, max_new_tokens=a.batch_new_tokens, repeats=a.batch_repeats,
                            min_speedup=a.min_batch_speedup)
         entries[b] = described(entry, [src for src, _ in texts[:n]], {"bucket_1_tree": winner.label})
         save(b, entries[b])
