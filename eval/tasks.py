@@ -13,6 +13,7 @@ the model's chat template to it. All prompts are zero-shot.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,11 +202,11 @@ def first_per_category(questions: list[ChatQuestion], n: int) -> list[ChatQuesti
     """The first ``n`` questions of each category, in their order: a stratified subset (every category
     weighs the same as in the whole set when each has at least ``n``)."""
     _check_limit(n)
-    seen: dict[str, int] = {}
+    seen: Counter[str] = Counter()
     out = []
     for q in questions:
-        if seen.get(q.category, 0) < n:
-            seen[q.category] = seen.get(q.category, 0) + 1
+        seen[q.category] += 1
+        if seen[q.category] <= n:
             out.append(q)
     return out
 

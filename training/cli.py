@@ -85,13 +85,14 @@ def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+_DISTILL_KEYS = ("distill_count", "distill_turns", "distill_prompt_tokens", "distill_new_tokens",
+                 "distill_temperature", "distill_samples")
+#: what a cache whose settings file predates a setting was made with: the recipe's defaults (greedy, one answer)
+_DISTILL_DEFAULTS = {k: Recipe.__dataclass_fields__[k].default for k in ("distill_temperature", "distill_samples")}
+
+
 def _distill_settings(recipe: Recipe) -> dict:
-    return {k: getattr(recipe, k) for k in ("distill_count", "distill_turns", "distill_prompt_tokens", "distill_new_tokens",
-                                            "distill_temperature", "distill_samples")}
-
-
-#: what a cache whose settings file predates a setting was made with
-_DISTILL_DEFAULTS = {"distill_temperature": 0.0, "distill_samples": 1}
+    return {k: getattr(recipe, k) for k in _DISTILL_KEYS}
 
 
 def cached_distill_settings(out: Path, recipe: Recipe) -> dict | None:
@@ -151,8 +152,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count", "distill_turns", "distill_temperature", "distill_samples", "answers", "init", "unroll", "arch", "layers",
-                "draft_vocab_size"):
+    for key in ("epochs", "distill_count", "distill_turns", "distill_temperature", "distill_samples", "answers",
+                "init", "unroll", "arch", "layers", "draft_vocab_size"):
         if getattr(args, key) is not None:
             problem = field_problem(key, getattr(args, key))
             if problem:

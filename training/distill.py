@@ -39,7 +39,7 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
             if msgs is not None:
                 jobs.append((i, c, dialogs[i] + msgs))
         answers = _answer(model, tokenizer, [m for _, _, m in jobs], batch, prompt_tokens, new_tokens,
-                          f"distill turn {k + 1}", temperature, seed * 1000 + k)
+                          f"distill turn {k + 1}", temperature, (seed * 1000 + k) % 2**63)
         alive = []
         for (i, c, msgs), answer in zip(jobs, answers):
             if answer:

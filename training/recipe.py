@@ -103,14 +103,14 @@ class Recipe:
 MAX_INT = 2**31 - 1  # no count or size of a run comes near it; larger values are typos or overflow
 # name -> (least, most) for integers; seeds also feed torch.manual_seed (at most 2**63 - 1)
 INT_RANGES = {"distill_count": (0, MAX_INT), "distill_batch": (1, MAX_INT), "distill_prompt_tokens": (1, MAX_INT),
-              "distill_new_tokens": (1, MAX_INT), "distill_turns": (1, MAX_INT), "distill_samples": (1, 64), "max_len": (2, MAX_INT),
-              "tokens_per_batch": (1, MAX_INT), "epochs": (1, MAX_INT), "max_steps": (0, MAX_INT),
+              "distill_new_tokens": (1, MAX_INT), "distill_turns": (1, MAX_INT), "distill_samples": (1, 64),
+              "max_len": (2, MAX_INT), "tokens_per_batch": (1, MAX_INT), "epochs": (1, MAX_INT), "max_steps": (0, MAX_INT),
               "warmup_steps": (0, MAX_INT), "unroll": (1, 64), "val_prompts": (0, MAX_INT),
               "val_new_tokens": (1, MAX_INT), "checkpoint_every": (1, MAX_INT), "seed": (0, 2**63 - 1),
               "draft_vocab_size": (0, MAX_INT)}
 # name -> (least, whether the least is allowed, most or None) for numbers; every one must be finite
-FLOAT_RANGES = {"distill_temperature": (0.0, True, None), "lr": (0.0, True, None), "weight_decay": (0.0, True, None), "grad_clip": (0.0, False, None),
-                "feature_weight": (0.0, True, None), "ce_weight": (0.0, True, None), "noise": (0.0, True, None),
+FLOAT_RANGES = {"distill_temperature": (0.0, True, None), "lr": (0.0, True, None), "weight_decay": (0.0, True, None),
+                "grad_clip": (0.0, False, None), "feature_weight": (0.0, True, None), "ce_weight": (0.0, True, None), "noise": (0.0, True, None),
                 "unroll_decay": (0.0, True, None), "val_fraction": (0.0, True, 1.0)}
 ANSWERS = ("both", "distilled", "original")
 ARCHS = ("eagle2", "eagle3")
