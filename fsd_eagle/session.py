@@ -372,6 +372,13 @@ class Session:
                 return found
         return None
 
+    def prepare_attention(self, backend: str) -> None:
+        """Give this Session's rounds the tree attention ``backend`` ("sdpa" or "flex") with the models routed
+        as before a compilation (``_route_attention``): for tools that compile ``decode.run_round`` themselves."""
+        self.attention = backend
+        self._route_attention()
+        self._apply_attention()
+
     def _route_attention(self) -> None:
         """Before compiling: the models' attention runs through the registered function whatever the
         backend (``Target.route_attention``), so that every compilation (prefills of every Session, rounds

@@ -83,9 +83,7 @@ def main() -> None:
     tree = TreeConfig(total_tokens=total, depth=depth, top_k=k, draft_vocab=vocab)
     rule = AcceptanceRule()
     session = Session(gen.engine, Plan(tree, rule.form, True, False, False, None, a.batch))
-    session.attention = a.attention
-    session._route_attention()
-    session._apply_attention()
+    session.prepare_attention(a.attention)
     session.allocate(2048)
     prompts = [torch.arange(100 + 7 * i, 220 + 7 * i, device=dev) for i in range(a.batch)]
     session.start_rows(list(range(a.batch)), prompts, [rule] * a.batch, list(range(a.batch)))
