@@ -76,6 +76,20 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, **config_kwargs):
     return model.float().eval()
 
 
+@pytest.fixture
+def inductor_freezing(monkeypatch):
+    """Compiled rounds made while active use inductor's freezing (``FSD_EAGLE_INDUCTOR_FREEZING=1``), with
+    the concatenation of parallel matmuls that the CPU backend only does when asked; ``compiled_round`` is
+    made again on entry and exit (it reads the setting when it is made)."""
+    from fsd_eagle.decode import FREEZING_ENV, compiled_round
+
+    monkeypatch.setenv(FREEZING_ENV, "1")
+    compiled_round.cache_clear()
+    with torch._inductor.config.patch({"cpp.enable_concat_linear": True}):
+        yield
+    compiled_round.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_model("llama")

@@ -1288,17 +1288,13 @@ def test_flex_block_lists_keep_a_symbolic_batch_size(window):
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("backend,draft_vocab,freeze", [("sdpa", 0, False), ("flex", 0, False), ("sdpa", 64, False),
                                                         ("sdpa", 0, True)])
-def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab, freeze, monkeypatch):
+def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab, freeze, request):
     """What the GPU path compiles (decode.compiled_round, one graph for the whole round) gives the eager
     round's outputs, round after round, with a drafter and a tree whose paths are partly accepted (also
     with a draft vocabulary, and with inductor's freezing, whose fused matmuls must not change a token)."""
-    import fsd_eagle.decode as decode_module
-
     torch._dynamo.reset()
-    compiled_round.cache_clear()  # made again: it reads whether to freeze when it is made
     if freeze:
-        monkeypatch.setenv(decode_module.FREEZING_ENV, "1")
-        monkeypatch.setattr(torch._inductor.config.cpp, "enable_concat_linear", True)  # the CPU's switch for it
+        request.getfixturevalue("inductor_freezing")
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3, draft_vocab=draft_vocab)
     results = []
     model = copy.deepcopy(tiny_llama)
@@ -1319,6 +1315,5 @@ def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab,
         else:
             rounds = [fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(5)]
         results.append(torch.stack(rounds))
-    compiled_round.cache_clear()
     assert torch.equal(results[0], results[1])
     assert (results[0][:, 0, 0] > 1).any()  # some round accepted drafted tokens (n_accepted of row 0)

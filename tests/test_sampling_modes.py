@@ -401,17 +401,13 @@ def test_a_sampling_round_has_no_host_sync(tiny_llama, rule):
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="inductor's CPU code for this round does not compile in torch "
                                                       "2.11 (a vectorized-mask type error); it runs on GPUs there")
 @pytest.mark.parametrize("freeze", [False, True])
-def test_compiled_sampling_rounds_equal_eager_ones(tiny_llama, freeze, monkeypatch):
+def test_compiled_sampling_rounds_equal_eager_ones(tiny_llama, freeze, request):
     """The compiled round draws the same random numbers and makes the same choices as the eager round
     (fp32, CPU), round after round, for a fuzzy sampling rule with filters; also compiled with inductor's
     freezing (fused matmuls of the target and the draft model)."""
-    import fsd_eagle.decode as decode_module
-
     torch._dynamo.reset()
-    compiled_round.cache_clear()  # made again: it reads whether to freeze when it is made
     if freeze:
-        monkeypatch.setenv(decode_module.FREEZING_ENV, "1")
-        monkeypatch.setattr(torch._inductor.config.cpp, "enable_concat_linear", True)  # the CPU's switch for it
+        request.getfixturevalue("inductor_freezing")
     rule = AcceptanceRule(SamplingConfig(temperature=0.8, top_p=0.9), FuzzyConfig(threshold=0.5, divergence="reverse_kl"))
     cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
     model = copy.deepcopy(tiny_llama)
@@ -421,7 +417,6 @@ def test_compiled_sampling_rounds_equal_eager_ones(tiny_llama, freeze, monkeypat
         next(decode(s, torch.arange(3, 12), 2, rule, 3))
         with torch.no_grad():
             results.append(torch.stack([fn(s.target, s.drafter, s.state, cfg, rule.form)[0] for _ in range(6)]))
-    compiled_round.cache_clear()
     div_sum = RoundResult.FIELDS.index("div_sum")
     others = [i for i in range(results[0].shape[1]) if i != div_sum]
     assert torch.equal(results[0][:, others], results[1][:, others])  # tokens, accepted lengths, counts
