@@ -80,6 +80,19 @@ def add_tree_arguments(p) -> None:
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
 
 
+def parse_trees(text: str | None) -> list:
+    """``--trees``: "64/6/8/v16384,96/6/12" -> TreeConfigs (a one-line error for a malformed item)."""
+    from fsd_eagle.config import TreeConfig
+    from fsd_eagle.errors import ConfigError
+
+    if not text:
+        return []
+    try:
+        return [TreeConfig.parse(item) for item in text.split(",")]
+    except ConfigError as e:
+        raise SystemExit(f"error: --trees: {e}") from None
+
+
 def _summary(runs: list[float], device: torch.device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"tokens_per_s": statistics.mean(runs), "tokens_per_s_runs": [round(x, 2) for x in runs], "peak_mem_gb": peak}
@@ -247,10 +260,13 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
     return out
 
 
-def _label(row: dict) -> str:
-    """A row's unique name: method (with divergence and threshold for FSD), backend, and the sampling
-    settings when not greedy, e.g. ``eagle2_compiled``, ``fsd_kl_T1_graph_t0.7_p0.9``."""
+def _label(row: dict, with_tree: bool = False) -> str:
+    """A row's unique name: method (with divergence and threshold for FSD), the tree when a run compares
+    several (``with_tree``), backend, and the sampling settings when not greedy, e.g. ``eagle2_compiled``,
+    ``fsd_kl_T1_graph_t0.7_p0.9``, ``eagle2_96-6-12-v16384_compiled_t0.7``."""
     name = row["method"] if row["method"] != "fsd" else f"fsd_{row['divergence']}_T{row['threshold']:g}"
+    if with_tree and row.get("tree") not in (None, "ar"):
+        name += "_" + row["tree"].replace("/", "-")
     name += f"_{row['backend']}" if row["backend"] != "hf" else ""
     if row.get("temperature"):
         name += f"_t{row['temperature']:g}" + (f"_p{row['top_p']:g}" if row.get("top_p", 1.0) < 1.0 else "")
@@ -269,7 +285,7 @@ def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
 
     ar_rows = {settings(r): r for r in rows if r["method"] == "ar"}
     base_hf = next((r["tokens_per_s"] for r in rows if r["method"] == "hf_generate"), None)
-    greedy = {(r["method"], r.get("divergence"), r.get("threshold"), r["backend"]): r
+    greedy = {(r["method"], r.get("divergence"), r.get("threshold"), r["backend"], r.get("tree")): r
               for r in rows if not r.get("temperature")}
 
     def agreement(row: dict, ar_row: dict) -> float:
@@ -283,7 +299,8 @@ def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
         same = ar_rows.get(settings(row), ar_rows.get(("graph", 0.0, 1.0)))
         row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3) if same else None
         if row.get("temperature"):
-            base = greedy.get((row["method"], row.get("divergence"), row.get("threshold"), row["backend"]))
+            base = greedy.get((row["method"], row.get("divergence"), row.get("threshold"), row["backend"],
+                               row.get("tree")))
             row["vs_greedy"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
         elif outputs.get(row["name"]) is not None and same:
             row["agreement_vs_ar"] = agreement(row, same)
@@ -360,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling rows (temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
     add_tree_arguments(p)
+    p.add_argument("--trees", help="drafting rows with each of these trees (total/depth/top_k[/v<draft_vocab>], "
+                                   "comma-separated; each row records its tree), instead of the one tree above")
+    p.add_argument("--inductor-freezing", action="store_true",
+                   help="compile with inductor's freezing (as FSD_EAGLE_INDUCTOR_FREEZING=1: fused q/k/v and "
+                        "gate/up matmuls)")
     p.add_argument("--skip-8b", action="store_true")
     p.add_argument("--tp", type=int, default=1,
                    help="shard the target over N GPUs (launch with torchrun --nproc-per-node N; rank 0 writes); "
@@ -379,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code", help="commit to record (default: git rev-parse HEAD; for a copy whose .git is stale)")
     a = p.parse_args(argv)
     temperatures = parse_floats(a.temperatures, "--temperatures")
+    trees = parse_trees(a.trees)
+    if a.inductor_freezing:
+        from fsd_eagle.decode import FREEZING_ENV
+
+        os.environ[FREEZING_ENV] = "1"
     fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, draft_model=a.draft_model, device=a.device,
                                     dtype=a.dtype, threads=a.threads, tp_size=a.tp)
@@ -413,22 +440,29 @@ def main(argv: list[str] | None = None) -> int:
         ([("eagle2", None, 0.0, {})] if "eagle2" in methods else []) + \
         ([("fsd", d, t, dict(fuzzy=FuzzyConfig(threshold=t, divergence=d))) for d, t in fsd_rows] if "fsd" in methods else [])
     device_name = device_label(dev)
+    # Plain decoding does not depend on the tree: its rows come once, the drafting rows once per tree.
+    tree_runs = [(t, [m for m in ours if m[0] != "ar" or t is trees[0]]) for t in trees] or [(None, ours)]
     for backend in backends:
         gen.configure(cuda_graphs=backend != "eager", compile=backend == "compiled")
-        for method, div, threshold, kwargs in ours:
-            for temperature in temperatures:
-                sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
-                seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
-                row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs)
-                row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend, **sampling,
-                       "prompts": len(prompts), **row}
-                row["name"] = _label(row)
-                outputs[row["name"]] = row.pop("outputs", None)
-                rows.append(row)
-                # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
-                partial.write_text(json.dumps(annotate(rows, outputs, device_name), default=str))
-                print(row["name"], round(row["tokens_per_s"], 1), "tok/s", "tau", round(row["tau"], 2),
-                      row["mode"], row["attention"], flush=True)
+        for run_tree, methods_here in tree_runs:
+            if run_tree is not None:
+                tree = gen.set_tree(run_tree.total_tokens, run_tree.depth, run_tree.top_k, run_tree.draft_vocab)
+            for method, div, threshold, kwargs in methods_here:
+                for temperature in temperatures:
+                    sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
+                    seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
+                    row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs)
+                    row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
+                           **sampling, "tree": "ar" if method == "ar" else tree.label, "prompts": len(prompts), **row}
+                    row["name"] = _label(row, with_tree=len(trees) > 1)
+                    outputs[row["name"]] = row.pop("outputs", None)
+                    rows.append(row)
+                    # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
+                    partial.write_text(json.dumps(annotate(rows, outputs, device_name), default=str))
+                    print(row["name"], round(row["tokens_per_s"], 1), "tok/s", "tau", round(row["tau"], 2),
+                          row["mode"], row["attention"], flush=True)
+    if trees:  # the stage breakdown, memory and metadata: the first tree
+        tree = gen.set_tree(trees[0].total_tokens, trees[0].depth, trees[0].top_k, trees[0].draft_vocab)
     rows = annotate(rows, outputs, device_name)
     extra = {}
     if dev.type == "cuda" and not a.rows_only:
@@ -447,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         mem[name] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
     if mem:
         extra["peak_mem_gb_2048_context"] = {**mem, "backend": "compiled" if gen.compile else "graph"}
-    tau = next((r["tau"] for r in rows if r["name"] == f"eagle2_{backends[-1]}"), None)
+    tau = next((r["tau"] for r in rows if r["method"] == "eagle2" and r["backend"] == backends[-1]
+                and not r.get("temperature") and r.get("tree") == tree.label), None)
     if not a.skip_8b and not a.rows_only and dev.type == "cuda" and tau is not None:
         extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, compiled)
     result = {"rows": rows, **extra,
@@ -457,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                        "prompt_source": a.prompts, "target": a.target or "default", "head": a.head,
                        "draft_model": a.draft_model,
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
+                       "trees": [t.label for t in trees] or None,
                        "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
                        "commit": a.code or git_commit(short=True), "inductor_freezing": freezing(),
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}

@@ -220,8 +220,13 @@ def freezing() -> bool:
     """Whether compiled rounds and prefills use inductor's freezing (``FSD_EAGLE_INDUCTOR_FREEZING=1``):
     the weights become constants of the compiled code, so that matmuls of one input (q/k/v, gate/up) are
     fused into one (7 of a Llama layer's matmuls become 4); the weights must not change after the first
-    compilation (an Engine's never do), and the fused copies take memory beside the weights."""
-    return os.environ.get(FREEZING_ENV, "").strip() == "1"
+    compilation (an Engine's never do), and the fused copies take memory beside the weights. Off in a
+    tensor-parallel process (more than one rank): freezing would make the process group that the sharded
+    layers sum over a constant of the compiled code, which inductor cannot do."""
+    if os.environ.get(FREEZING_ENV, "").strip() != "1":
+        return False
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _compile(fn, dynamic: bool = False):

@@ -598,3 +598,25 @@ def test_speed_on_the_cpu_measures_float32_and_prints_only_rows(folders, tmp_pat
     assert rows["eagle2_graph"]["agreement_vs_ar"] == 1.0 and rows["eagle2_graph"]["mode"] == "eager"
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1].startswith("eagle2_graph") and "{" not in printed[-1]
+
+
+def test_speed_compares_several_trees_in_one_run(folders, tmp_path):
+    """--trees: plain decoding is measured once, the drafting rows once per tree (each row records its tree
+    and is named by it), a sampling row's vs_greedy is against the greedy row of its own tree, and a
+    malformed tree is a one-line error."""
+    out = tmp_path / "speed.json"
+    assert eval_main(["speed", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+                      "--limit", "2", "--max-new-tokens", "8", "--repeats", "1", "--methods", "ar,eagle2",
+                      "--temperatures", "0,0.7", "--trees", "6/3/2,4/2/2", "--threads", "1", "--rows-only",
+                      "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert sorted(rows) == sorted(["ar_graph", "ar_graph_t0.7", "eagle2_6-3-2_graph", "eagle2_6-3-2_graph_t0.7",
+                                   "eagle2_4-2-2_graph", "eagle2_4-2-2_graph_t0.7"])
+    assert rows["eagle2_4-2-2_graph"]["tree"] == "4/2/2" and rows["ar_graph"]["tree"] == "ar"
+    assert rows["eagle2_4-2-2_graph"]["agreement_vs_ar"] == 1.0 == rows["eagle2_6-3-2_graph"]["agreement_vs_ar"]
+    sampled = rows["eagle2_4-2-2_graph_t0.7"]
+    assert sampled["vs_greedy"] == round(sampled["tokens_per_s"] / rows["eagle2_4-2-2_graph"]["tokens_per_s"], 3)
+    assert result["meta"]["trees"] == ["6/3/2", "4/2/2"] and result["meta"]["tree"]["total_tokens"] == 6
+    with pytest.raises(SystemExit, match="--trees"):
+        eval_main(["speed", "--device", "cpu", "--trees", "6/3", "--out", str(tmp_path / "x.json")])

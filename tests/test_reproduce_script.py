@@ -91,3 +91,35 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert (res / "distill" / ".sent").is_file()  # the distilled answers came back with the first command
     listing = subprocess.run(["tar", "-tf", str(out / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
+
+
+def test_batch_script_runs_several_speed_benchmarks_once_each(tmp_path):
+    """eval/device/batch.sh with SPEED holding two option sets ("|"): two eval speed processes, one after
+    the other, each with its own result file, neither run again by a second command; BATCH=0 runs no batched
+    benchmark and KERNELS=0 keeps no kernels file."""
+    work, fake, res, out, store = (tmp_path / n for n in ("work", "bin", "res", "out", "store"))
+    (work / "eval" / "device").mkdir(parents=True)
+    for name in ("batch.sh", "assemble.sh", "job.sh"):
+        (work / "eval" / "device" / name).write_text((ROOT / "eval" / "device" / name).read_text())
+    fake.mkdir()
+    (fake / "python3").write_text(FAKE_PYTHON)
+    (fake / "python3").chmod(0o755)
+    store.mkdir()
+    (store / ".unpacked").touch()
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+           "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0", "BATCH": "0",
+           "KERNELS": "0", "SPEED": "--limit 80 --trees 64/6/8,96/6/12|--limit 80 --inductor-freezing"}
+    for _ in range(2):
+        out.mkdir(exist_ok=True)
+        for f in out.iterdir():
+            f.unlink()
+        r = subprocess.run(["bash", "eval/device/batch.sh"], cwd=work, env={**env, "OUT": str(out)},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "benchmark ended, status 0" in r.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c for c in calls if c.startswith("-m eval")] == [
+        f"-m eval speed --limit 80 --trees 64/6/8,96/6/12 --out {res}/gpu_speed_run.json",
+        f"-m eval speed --limit 80 --inductor-freezing --out {res}/gpu_speed_run_2.json"]
+    assert sorted(f.name for f in out.iterdir()) == ["batch.log", "gpu_speed_run.json", "gpu_speed_run_2.json"]
+    assert not list(res.glob("kernels*"))

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_api import make_tokenizer  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
+from test_engine import _has_cpu_compiler  # noqa: E402
 
 ARCHS = ("llama", "qwen3")
 PROMPTS = (list(range(3, 20)), list(range(40, 49)))
@@ -57,9 +58,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict | None = None) -> None:
-    """One rank: every arch's cases with tp_size = world; (rank, results or the error) into ``queue``; the
-    results also say how many sums fsd_eagle.tp_allreduce made (``allreduce_calls``)."""
+def decode_compiled(folder: Path, head: Path, tp_size: int) -> dict:
+    """Greedy tokens of AR and EAGLE-2 through compiled rounds and prefills (tests/test_sampling_modes.py's
+    CompiledSession: the compiled code that GPU sessions capture, run on the CPU without graphs)."""
+    import fsd_eagle.api as api
+    from fsd_eagle.api import SpeculativeGenerator
+    from fsd_eagle.config import TreeConfig
+    from test_sampling_modes import CompiledSession
+
+    api.Session = CompiledSession
+    gen = SpeculativeGenerator.load(folder, head=head, device="cpu", dtype="float32", tree=TreeConfig(**TREE),
+                                    tp_size=tp_size)
+    return {"ar": gen.generate(PROMPTS[0], NEW_TOKENS, autoregressive=True, chat=False).token_ids,
+            "head": gen.generate(PROMPTS[0], NEW_TOKENS, chat=False).token_ids}
+
+
+def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict | None = None,
+               decode=decode_all) -> None:
+    """One rank: every arch's cases (``decode``) with tp_size = world; (rank, results or the error) into
+    ``queue``; the results also say how many sums fsd_eagle.tp_allreduce made (``allreduce_calls``)."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -71,7 +88,7 @@ def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict
     try:
         from fsd_eagle import tp_allreduce
 
-        results = {arch: decode_all(target, head, world) for arch, (target, head) in folders.items()}
+        results = {arch: decode(target, head, world) for arch, (target, head) in folders.items()}
         queue.put((rank, {**results, "allreduce_calls": tp_allreduce.calls}))
     except Exception:  # noqa: BLE001 (reported to the test, which fails with it)
         queue.put((rank, traceback.format_exc()))
@@ -81,15 +98,16 @@ def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, folders: dict, timeout_s: float = 120.0, env: dict | None = None) -> dict[int, object]:
-    """Start ``world`` CPU processes (spawned, gloo) running ``_rank_main`` (with ``env`` set); their results
-    by rank."""
+def run_ranks(world: int, folders: dict, timeout_s: float = 120.0, env: dict | None = None,
+              decode=decode_all) -> dict[int, object]:
+    """Start ``world`` CPU processes (spawned, gloo) running ``_rank_main`` (with ``env`` set, cases of
+    ``decode``); their results by rank."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, folders, queue, env)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, folders, queue, env, decode)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -158,6 +176,39 @@ def test_two_ranks_decode_what_one_decodes(folders, allreduce):
             assert len(ref["ar"]) == NEW_TOKENS
             assert tp["draft_model_tau"] == ref["draft_model_tau"] > 2  # long accepted paths were committed
             assert tp["head_tau"] == ref["head_tau"]
+
+
+@pytest.mark.skipif(gloo_tensor_parallel() is not None, reason=str(gloo_tensor_parallel()))
+@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+def test_two_ranks_compiled_rounds_decode_what_one_decodes(folders):
+    """Compiled rounds and prefills of a target sharded over two ranks (dynamo traces the row-parallel sums)
+    decode what the unsharded target decodes eagerly, AR and EAGLE-2; FSD_EAGLE_INDUCTOR_FREEZING=1 is set
+    and must stay off in a tensor-parallel process (frozen, the process group would be a constant)."""
+    from fsd_eagle.cli import quiet_transformers
+
+    quiet_transformers()
+    target, head = folders["llama"]
+    reference = decode_all(target, head, 1)
+    ranks = run_ranks(2, {"llama": folders["llama"]}, timeout_s=600.0, env={"FSD_EAGLE_INDUCTOR_FREEZING": "1"},
+                      decode=decode_compiled)
+    for rank, got in sorted(ranks.items()):
+        assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
+        for case in ("ar", "head"):
+            assert got["llama"][case] == reference[case], f"{case} rank {rank}"
+
+
+def test_freezing_is_off_in_a_tensor_parallel_process(monkeypatch):
+    import torch.distributed as dist
+
+    from fsd_eagle.decode import FREEZING_ENV, freezing
+
+    monkeypatch.setenv(FREEZING_ENV, "1")
+    assert freezing()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert not freezing()
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert freezing()
 
 
 # ------------------------------------------------------------------------------------------ errors

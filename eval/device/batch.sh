@@ -16,7 +16,9 @@
 # measured and copied to $OUT by every command; the benchmark then uses it), once: a restarted run keeps the
 # buckets already tuned. SPEED="<python -m eval speed options>" first runs that one-prompt benchmark (once; its
 # rows in gpu_speed_run.json, and gpu_speed_run.partial.json as they come, copied to $OUT), in the same machine
-# whose inductor cache the later steps then share; BATCH=0 stops after it (and the tuner).
+# whose inductor cache the later steps then share; several option sets separated by "|" run one after the
+# other as separate processes (gpu_speed_run.json, gpu_speed_run_2.json, ...: an A/B that one process cannot
+# make, such as --inductor-freezing); BATCH=0 stops after them (and the tuner). KERNELS=0 keeps no kernels file.
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -34,8 +36,12 @@ if [ -n "${PRESETS_FROM:-}" ] && [ ! -f "$RES/presets.json" ]; then cp "$PRESETS
 # (kernels.bin.xz: a few hundred MB of kernels shrink 15-40x), so that KERNELS_FROM can seed the next fresh
 # host of the same GPU type and versions with them: KERNELS_FROM="FILE [FILE ...]", a kernels.bin, or a
 # kernels.bin.xz given whole or as pieces in order (joined, then decompressed).
-export FSD_EAGLE_COMPILE_CACHE=${FSD_EAGLE_COMPILE_CACHE:-$RES/kernels.bin}
-if [ -n "${KERNELS_FROM:-}" ] && [ ! -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
+if [ "${KERNELS:-1}" = 0 ]; then
+  unset FSD_EAGLE_COMPILE_CACHE
+else
+  export FSD_EAGLE_COMPILE_CACHE=${FSD_EAGLE_COMPILE_CACHE:-$RES/kernels.bin}
+fi
+if [ -n "${KERNELS_FROM:-}" ] && [ -n "${FSD_EAGLE_COMPILE_CACHE:-}" ] && [ ! -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
   # shellcheck disable=SC2086  # a list of files
   cat $KERNELS_FROM > "$FSD_EAGLE_COMPILE_CACHE.in"
   if xz -t "$FSD_EAGLE_COMPILE_CACHE.in" 2> /dev/null; then
@@ -50,10 +56,13 @@ if needs_start; then
   if [ -f "$RES/presets.json" ]; then cp "$RES/presets.json" "$RES/code/fsd_eagle/presets.json"; fi
   # bash -c records its own pid (alive while the run goes on) and the exit status of the tuner or benchmark.
   (cd "$RES/code" && PYTHONPATH="$RES/code" TUNE="${TUNE:-}" SPEED="${SPEED:-}" BATCH="${BATCH:-1}" setsid nohup bash -c 'echo $$ > "$0/pid";
-      if [ -n "$SPEED" ] && [ ! -f "$0/speed_done" ]; then
-        python3 -m eval speed $SPEED ${CODE:+--code "$CODE"} --out "$0/gpu_speed_run.json" >> "$0/log" 2>&1 || { echo $? > "$0/rc"; exit; }
-        touch "$0/speed_done"
-      fi
+      IFS="|" read -ra runs <<< "$SPEED"
+      for i in "${!runs[@]}"; do
+        name=gpu_speed_run$([ "$i" = 0 ] || echo "_$((i + 1))")
+        [ -f "$0/$name.done" ] && continue
+        python3 -m eval speed ${runs[$i]} ${CODE:+--code "$CODE"} --out "$0/$name.json" >> "$0/log" 2>&1 || { echo $? > "$0/rc"; exit; }
+        rm -f "$0/$name.partial.json"; touch "$0/$name.done"
+      done
       if [ -n "$TUNE" ] && [ ! -f "$0/tuned" ]; then
         [ -f "$0/presets.json" ] || cp fsd_eagle/presets.json "$0/presets.json"
         python3 -m trees.tune --device cuda --dtype bfloat16 --compile --batch-sizes "$TUNE" --resume \
@@ -71,10 +80,9 @@ wait_job benchmark
 tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
-  cp "$RES/gpu_batch.json" "$RES/presets.json" "$RES/gpu_speed_run.json" "$RES/gpu_speed_run.partial.json" \
-      "$OUT/" 2> /dev/null || true
+  cp "$RES/gpu_batch.json" "$RES/presets.json" "$RES"/gpu_speed_run*.json "$OUT/" 2> /dev/null || true
   # Compressed once per change of the kernels file; pieces of 15 MiB where the whole would not come back.
-  if [ -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
+  if [ -n "${FSD_EAGLE_COMPILE_CACHE:-}" ] && [ -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
     if [ ! -f "$RES/kernels.bin.xz" ] || [ "$FSD_EAGLE_COMPILE_CACHE" -nt "$RES/kernels.bin.xz" ]; then
       xz -3 -T0 -c "$FSD_EAGLE_COMPILE_CACHE" > "$RES/kernels.bin.xz.tmp" && mv "$RES/kernels.bin.xz.tmp" "$RES/kernels.bin.xz"
     fi
