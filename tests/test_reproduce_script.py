@@ -123,3 +123,54 @@ def test_batch_script_runs_several_speed_benchmarks_once_each(tmp_path):
         f"-m eval speed --limit 80 --inductor-freezing --out {res}/gpu_speed_run_2.json"]
     assert sorted(f.name for f in out.iterdir()) == ["batch.log", "gpu_speed_run.json", "gpu_speed_run_2.json"]
     assert not list(res.glob("kernels*"))
+
+
+def test_assemble_unpacks_carried_tars_and_checks_the_bundle(tmp_path):
+    """eval/device/assemble.sh: pieces are collected until all have come, a carried tar (e.g. heads of an
+    earlier host) is unpacked into the store as it comes, and a bundle whose checksum differs is refused."""
+    import hashlib
+    import tarfile
+
+    work, store, src = tmp_path / "work", tmp_path / "store", tmp_path / "src"
+    (work / "eval" / "device").mkdir(parents=True)
+    (work / "eval" / "device" / "assemble.sh").write_text((ROOT / "eval" / "device" / "assemble.sh").read_text())
+    src.mkdir()
+    (src / "data.txt").write_text("bundle content\n")
+    bundle = tmp_path / "bundle.tar"
+    with tarfile.open(bundle, "w") as t:
+        t.add(src / "data.txt", arcname="data.txt")
+    raw = bundle.read_bytes()
+    half = len(raw) // 2
+    heads = tmp_path / "heads"
+    (heads / "arm" / "head").mkdir(parents=True)
+    (heads / "arm" / "head" / "config.json").write_text("{}")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/usr/bin/env bash\necho \"python3 $*\"\n")
+    (fake / "python3").chmod(0o755)
+
+    def command(piece: bytes | None, name: str, sha: str, with_heads: bool = False):
+        carry = work / ".carry0"
+        if carry.exists():
+            subprocess.run(["rm", "-rf", str(carry)], check=True)
+        carry.mkdir()
+        if piece is not None:
+            (carry / name).write_bytes(piece)
+        if with_heads:
+            with tarfile.open(carry / "heads.tar", "w") as t:
+                t.add(heads / "arm", arcname="arm")
+        env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "STORE": str(store), "PARTS": "2", "SHA": sha}
+        return subprocess.run(["bash", "eval/device/assemble.sh"], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    sha = hashlib.sha256(raw).hexdigest()
+    r = command(raw[:half], "part_00", sha, with_heads=True)
+    assert r.returncode == 0 and "pieces here: 1 of 2" in r.stdout, r.stderr
+    assert (store / "arm" / "head" / "config.json").is_file() and not (store / ".unpacked").exists()
+    r = command(raw[half:], "part_01", sha)
+    assert r.returncode == 0, r.stderr
+    assert (store / "data.txt").read_text() == "bundle content\n" and (store / ".unpacked").is_file()
+    subprocess.run(["rm", "-rf", str(store)], check=True)  # a fresh host, a bundle with another checksum
+    command(raw[:half], "part_00", "0" * 64)
+    r = command(raw[half:], "part_01", "0" * 64)
+    assert r.returncode != 0 and not (store / ".unpacked").exists()
