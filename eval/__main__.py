@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from fsd_eagle.errors import FSDError
+from fsd_eagle.jsonl import write_text_atomic
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -128,7 +129,7 @@ def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
     text = json.dumps(result)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "tau.json").write_text(text + "\n")
+        write_text_atomic(Path(a.out) / "tau.json", text + "\n")
     print(text)
     return 0
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from fsd_eagle.jsonl import write_text_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "eval" / "results" / "divergence_compare.json"
 
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_text_atomic(out, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return result
 

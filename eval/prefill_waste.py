@@ -32,6 +32,7 @@ import torch
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.decode import prefill_bucket
 from fsd_eagle.engine import Engine
+from fsd_eagle.jsonl import write_text_atomic
 from fsd_eagle.schedule import Request, Scheduler
 from fsd_eagle.session import Plan, Session, session_rows
 from fsd_eagle.verify import AcceptanceRule
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = json.loads(Path(args.lengths).read_text()) if args.lengths else benchmark_lengths(args.limit)
     lengths = lengths[: args.limit] if args.limit else lengths
     if args.save_lengths:
-        Path(args.save_lengths).write_text(json.dumps(lengths))
+        write_text_atomic(args.save_lengths, json.dumps(lengths))
     limits = token_limits(len(lengths), args.seed)
     print(f"{len(lengths)} prompts, {sum(lengths)} prompt tokens, {sum(limits)} new tokens at most")
     print(f"{'batch':>5} {'prefills':>8} {'real':>8} {'padded':>9} {'ratio':>6} {'graphs':>6}")
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         out["rows"].append({**w.to_dict(), "prefill_calls": [[q.rows, q.padded, q.lengths] for q in prefills]})
     if args.out:
-        Path(args.out).write_text(json.dumps(out))
+        write_text_atomic(args.out, json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fsd_eagle.errors import InputError
+from fsd_eagle.jsonl import write_text_atomic
 
 from .metrics import token_agreement
 from .runinfo import write_json_atomic
@@ -285,7 +286,7 @@ def write_outputs(out: Path | str, results: dict, plot: bool = True) -> list[Pat
     written = []
     written.append(write_json_atomic(out / "results.json", results))
     path = out / "results.md"
-    path.write_text(render_markdown(results))
+    write_text_atomic(path, render_markdown(results))
     written.append(path)
     if plot:
         png = plot_accuracy_vs_speed(results, out / "accuracy_vs_speed.png")

@@ -8,10 +8,11 @@ rather than a cut-off one.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 from pathlib import Path
+
+from fsd_eagle.jsonl import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,13 +49,8 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
-def write_json_atomic(path: Path | str, obj, indent: int | None = 2) -> Path:
+def write_json_atomic(path: Path | str, obj, indent: int | None = 2, default=None) -> Path:
     """Write ``obj`` as JSON to ``path`` through a temporary file in the same folder and ``os.replace``:
     readers (and a later resume) see either the old file or the new one, never a partial write. Refuses
-    NaN and infinity, which are not JSON."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    NaN and infinity, which are not JSON; ``default`` as in ``json.dumps`` (e.g. ``str`` for paths)."""
+    return write_text_atomic(path, json.dumps(obj, indent=indent, allow_nan=False, default=default) + "\n")

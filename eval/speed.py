@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from fsd_eagle.jsonl import write_text_atomic
+
 from .runinfo import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -458,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                     outputs[row["name"]] = row.pop("outputs", None)
                     rows.append(row)
                     # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
-                    partial.write_text(json.dumps(annotate(rows, outputs, device_name), default=str))
+                    write_text_atomic(partial, json.dumps(annotate(rows, outputs, device_name), default=str))
                     print(row["name"], round(row["tokens_per_s"], 1), "tok/s", "tau", round(row["tau"], 2),
                           row["mode"], row["attention"], flush=True)
     if trees:  # the stage breakdown, memory and metadata: the first tree
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     if a.out != os.devnull:
-        Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_text_atomic(a.out, json.dumps(result, indent=2, default=str) + "\n")
     for row in rows:
         print(f"{row['name']:34s} {row['tokens_per_s']:9.1f} tok/s  x{row['speedup_vs_hf']} vs HF  "
               f"x{row['speedup_vs_ar']} vs AR  tau {row['tau']:.2f}  mem {row['peak_mem_gb']}  "

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsd_eagle.errors import ConfigError, FSDError, InputError
+from fsd_eagle.jsonl import write_text_atomic
 
 from . import tasks as _tasks
 
@@ -307,7 +308,7 @@ class ResultStore:
                                   f"use another --out or the same settings")
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(settings, indent=2) + "\n")
+        write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------ worker

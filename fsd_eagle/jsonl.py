@@ -79,6 +79,20 @@ def id_key(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and ``os.replace``:
+    readers, and a run that resumes from the file, see the old content or the new, never a partial write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def json_line(obj: dict) -> bytes:
     """One JSON object as a UTF-8 line (non-ASCII kept readable; escaped where the text is not encodable)."""
     try:

@@ -349,3 +349,25 @@ def test_a_second_run_on_the_same_output_is_refused(folders, tmp_path, capfd):
         rc, _, err = run(capfd, ["generate", "--input", str(src), "--output", str(out), *model_args(folders)])
     assert rc == 2 and err == f"error: output file {out} is being written by another run\n"
     assert out.read_bytes() == b""
+
+
+def test_files_are_replaced_whole(tmp_path, monkeypatch):
+    """fsd_eagle.jsonl.write_text_atomic (result files, partial result files, settings): a write that fails
+    leaves the old content and no temporary file; a good one replaces it."""
+    import os
+
+    from fsd_eagle.jsonl import write_text_atomic
+
+    path = tmp_path / "sub" / "result.json"
+    assert write_text_atomic(path, "old\n") == path and path.read_text() == "old\n"
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_text_atomic(path, "new\n")
+    monkeypatch.undo()
+    assert path.read_text() == "old\n" and sorted(p.name for p in path.parent.iterdir()) == ["result.json"]
+    write_text_atomic(path, "new\n")
+    assert path.read_text() == "new\n"

@@ -25,6 +25,7 @@ from fsd_eagle.cli import OneLineParser, quiet_transformers
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.errors import ConfigError, FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig, check_fit
+from fsd_eagle.jsonl import write_text_atomic
 from fsd_eagle.models import (check_threads, head_weights_sha256, load_head, load_target, resolve_device,
                                resolve_dtype, set_threads)
 from fsd_eagle.target import Target
@@ -142,7 +143,7 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
                         settings["distill_turns"] if settings else 0, recipe.distill_temperature,
                         recipe.distill_samples, recipe.seed)
     write_conversations(distilled, cache)
-    (out / "distilled.json").write_text(json.dumps(_distill_settings(recipe)) + "\n")
+    write_text_atomic(out / "distilled.json", json.dumps(_distill_settings(recipe)) + "\n")
     timings["distill_s"] = round(time.perf_counter() - t, 1)
     return distilled
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from fsd_eagle.errors import InputError
+from fsd_eagle.jsonl import write_text_atomic
 
 from .recipe import Recipe
 
@@ -57,7 +58,7 @@ def run_fingerprint(recipe: Recipe, target_dir: Path) -> dict:
 
 
 def write_fingerprint(out: Path, fingerprint: dict) -> None:
-    (out / FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2) + "\n")
+    write_text_atomic(out / FINGERPRINT_FILE, json.dumps(fingerprint, indent=2) + "\n")
 
 
 def check_resume(out: Path, fingerprint: dict) -> None:

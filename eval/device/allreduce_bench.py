@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 
 
 def dist_sum(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                              " eval/device/allreduce_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "graphs": cuda, "dtype": str(dtype).removeprefix("torch."), "rows": rows}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(a.out, json.dumps(result, indent=2) + "\n")
         print(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsd_eagle.attention import prepare_mask  # noqa: E402
 from fsd_eagle.cache import SlotMask  # noqa: E402
 from fsd_eagle.decode import capture  # noqa: E402
+from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 from fsd_eagle.kernels import topk as kernel_topk  # noqa: E402
 from profile_round import replay_ms  # noqa: E402
 
@@ -132,7 +133,7 @@ def main() -> None:
         out["rows"] += bench_topk(49152, 8)
     if "flex" not in skip:
         out["rows"] += bench_flex(9, 3, 64, 2048, 500)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    write_text_atomic(a.out, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from eval.device.round_cost import HEAD, SHAPE, NoText  # noqa: E402
 from fsd_eagle import decode  # noqa: E402
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.config import TreeConfig  # noqa: E402
+from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 from fsd_eagle.models import load_head  # noqa: E402
 from fsd_eagle.session import Plan, Session  # noqa: E402
 from fsd_eagle.verify import AcceptanceRule  # noqa: E402
@@ -117,7 +118,7 @@ def main() -> None:
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:
-        Path(a.out).write_text(text)
+        write_text_atomic(a.out, text)
 
 
 if __name__ == "__main__":

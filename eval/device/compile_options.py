@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
+from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 from profile_round import replay_ms  # noqa: E402
 
 SETTINGS = {
@@ -69,7 +70,7 @@ def main() -> None:
             out["rows"].append({"setting": name, "nodes": n, "ms": round(ms, 3),
                                 "compile_s": round(time.perf_counter() - t, 1)})
             print(json.dumps(out["rows"][-1]), flush=True)
-            Path(a.out).write_text(json.dumps(out, indent=1))
+            write_text_atomic(a.out, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from eval.tasks import load_mt_bench  # noqa: E402
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.config import TreeConfig  # noqa: E402
+from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, rounds: int = 20) -> float:
@@ -121,7 +122,7 @@ def main() -> None:
                     export_trace(session, f"{a.trace}.{backend}.json")
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
-            Path(a.out).write_text(json.dumps(out, indent=1))
+            write_text_atomic(a.out, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from eval.device.profile_round import kernel_table, replay_ms  # noqa: E402
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.config import TreeConfig  # noqa: E402
+from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 from fsd_eagle.models import load_head  # noqa: E402
 
 # SmolLM2-135M-Instruct's shape (its config.json)
@@ -80,13 +81,13 @@ def main() -> None:
                 row["kernels"] = kernel_table(session, top=a.kernels)
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
-            Path(a.out).write_text(json.dumps(out, indent=1))
+            write_text_atomic(a.out, json.dumps(out, indent=1))
         gen.release()
     try:
         out["compile_times"] = torch._dynamo.utils.compile_times(repr="str")
     except (AttributeError, TypeError) as e:
         out["compile_times"] = f"unavailable: {e}"
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    write_text_atomic(a.out, json.dumps(out, indent=1))
     print(out["compile_times"])
 
 

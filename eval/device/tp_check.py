@@ -35,6 +35,7 @@ from eval.random_models import (SHAPES, prompt_ids, randomize, write_head_folder
 from fsd_eagle import parallel  # noqa: E402
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.config import TreeConfig  # noqa: E402
+from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 
 TINY_TREE = dict(total_tokens=12, depth=3, top_k=3)
 BIG_TREE = dict(total_tokens=64, depth=6, top_k=8, draft_vocab=16384)  # the H100 preset of the shipped head
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
     if tp.is_main:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(a.out, json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result.get("speed", {}).items() if k != "rows"}), flush=True)
         print("wrote", a.out, flush=True)
     barrier()
