@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import signal
 import sys
 from pathlib import Path
 
-from fsd_eagle.errors import FSDError
+from fsd_eagle.errors import FSDError, InputError
 from fsd_eagle.jsonl import write_text_atomic
 
 
@@ -82,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--per-category", type=int, metavar="N",
                    help="only the first N questions of each category (a stratified subset; after --limit)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (question i with seed --seed + i); default 0: greedy")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the JSON to OUT/tau.json")
 
     sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
@@ -125,7 +129,10 @@ def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
     questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
     if a.per_category is not None:
         questions = first_per_category(questions, a.per_category)
-    result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers)
+    if not (a.temperature >= 0 and math.isfinite(a.temperature)):
+        raise InputError(f"--temperature must be a finite number >= 0, got {a.temperature}")
+    result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers,
+                         temperature=a.temperature, seed=a.seed)
     text = json.dumps(result)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-"""Acceptance length tau per category: greedy (temperature 0) decoding of each question's first turn with
-the default tree, in several worker processes sharing one device (a batch-1 loop leaves a GPU idle).
+"""Acceptance length tau per category: decoding of each question's first turn with the default tree, greedy
+(temperature 0) or sampled (question i of the list with seed ``seed + i``, so a rerun samples the same texts),
+in several worker processes sharing one device (a batch-1 loop leaves a GPU idle).
 
-    python -m eval tau --questions mt_bench --max-new-tokens 128 --workers 8
+    python -m eval tau --questions mt_bench --max-new-tokens 128 --workers 8 [--temperature 0.7]
 """
 
 from __future__ import annotations
@@ -20,19 +21,22 @@ def _worker(args) -> list[dict]:
     gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], device=opts["device"],
                                     dtype=opts["dtype"], tree=TreeConfig(**opts["tree"]), threads=1)
     rows = []
-    for qid, category, prompt in jobs:
-        r = gen.generate(prompt, opts["max_new_tokens"])
+    temperature = opts["temperature"]
+    for index, qid, category, prompt in jobs:
+        seed = opts["seed"] + index if temperature else None
+        r = gen.generate(prompt, opts["max_new_tokens"], temperature=temperature, seed=seed)
         rows.append({"question_id": qid, "category": category, "new_tokens": r.stats.new_tokens,
                      "target_forwards": r.stats.target_forwards})
     return rows
 
 
 def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_new_tokens=128, workers=1,
-                tree=None) -> dict:
-    """tau = total new tokens / total target forwards, overall and per category."""
-    jobs = [(q.question_id, q.category, q.turns[0]) for q in questions]
+                tree=None, temperature: float = 0.0, seed: int = 0) -> dict:
+    """tau = total new tokens / total target forwards, overall and per category; greedy, or sampled at
+    ``temperature`` (question i with seed ``seed + i``, whichever worker decodes it)."""
+    jobs = [(i, q.question_id, q.category, q.turns[0]) for i, q in enumerate(questions)]
     opts = {"target": target, "head": head, "device": device, "dtype": dtype, "max_new_tokens": max_new_tokens,
-            "tree": tree or {}}
+            "tree": tree or {}, "temperature": temperature, "seed": seed}
     chunks = [(i, jobs[i::workers], opts) for i in range(workers)]
     start = time.perf_counter()
     if workers == 1:
@@ -47,26 +51,15 @@ def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_
             per[key][1] += r["target_forwards"]
             per[key][2] += 1
     return {"tau": {k: round(v[0] / v[1], 3) for k, v in per.items()},
-            "questions": {k: v[2] for k, v in per.items()}, "seconds": round(time.perf_counter() - start, 1)}
+            "questions": {k: v[2] for k, v in per.items()}, "temperature": temperature,
+            **({"seed": seed} if temperature else {}), "seconds": round(time.perf_counter() - start, 1)}
 
 
 if __name__ == "__main__":
-    import argparse
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from eval.tasks import load_mt_bench, load_spec_bench
+    from eval.__main__ import main
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--questions", choices=("mt_bench", "spec_bench"), default="mt_bench")
-    p.add_argument("--target")
-    p.add_argument("--head")
-    p.add_argument("--device")
-    p.add_argument("--dtype")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--limit", type=int)
-    a = p.parse_args()
-    qs = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
-    print(json.dumps(measure_tau(qs, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers)))
+    sys.exit(main(["tau", *sys.argv[1:]]))

@@ -246,6 +246,24 @@ def test_tau_command(folders, tmp_path, capsys):
     result = json.loads((out / "tau.json").read_text())
     assert result["questions"]["all"] == 2 and result["tau"]["all"] >= 1.0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["temperature"] == 0.0 and "seed" not in result
+
+
+def test_sampled_tau_is_reproducible_per_question(folders, tmp_path, capsys):
+    """--temperature: question i is sampled with seed --seed + i, whichever worker decodes it, so a rerun
+    (or another split over workers) measures the same tau; a negative temperature is a one-line error."""
+    from eval.tasks import load_mt_bench
+    from eval.tau import measure_tau
+
+    qs = load_mt_bench(limit=3)
+    kw = dict(target=str(folders / "target"), head=str(folders / "head"), device="cpu", dtype="float32",
+              max_new_tokens=6, temperature=0.9, seed=5)
+    one = measure_tau(qs, **kw)
+    assert one["temperature"] == 0.9 and one["seed"] == 5 and one["questions"]["all"] == 3
+    assert measure_tau(qs, **kw)["tau"] == one["tau"]
+    assert measure_tau(qs, workers=2, **kw)["tau"] == one["tau"]
+    assert eval_main(["tau", "--device", "cpu", "--temperature", "-1"]) == 2
+    assert "--temperature must be a finite number >= 0" in capsys.readouterr().err
 
 
 def fake_result(text: str, ids=(5, 6, 7), forwards: int = 2, fuzzy: int = 0) -> GenerationResult:

@@ -45,7 +45,7 @@ for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
 case "$*" in
   "-m training run"*"--stage distill"*) echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json" ;;
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
-  "-m eval tau"*) echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
+  "-m eval tau"*) mkdir -p "$out"; echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
   "-m eval speed"*) echo '{"rows": []}' > "$out" ;;
   *) echo "default target at /nowhere" ;;
 esac
@@ -68,7 +68,8 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     (store / ".unpacked").touch()
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
            "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0",
-           "ARMS": "a=--arch eagle2;b=--arch eagle3 --layers 2 15 27", "SPEED": "--device cuda --limit 80"}
+           "ARMS": "a=--arch eagle2;b=--arch eagle3 --layers 2 15 27", "SPEED": "--device cuda --limit 80",
+           "TAU_TEMPERATURE": "0.7"}
     for _ in range(2):
         out.mkdir(exist_ok=True)
         for f in out.iterdir():
@@ -84,10 +85,12 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert len(arms) == 2 and all("--unroll 3" in c and "--time-budget 1500" in c for c in arms)
     assert f"--out {res}/a " in arms[0] and "--arch eagle2" in arms[0]
     assert f"--out {res}/b " in arms[1] and "--arch eagle3 --layers 2 15 27" in arms[1]
-    assert len([c for c in calls if c.startswith("-m eval tau")]) == 2
+    taus = [c for c in calls if c.startswith("-m eval tau")]
+    assert len(taus) == 4 and len([c for c in taus if "--temperature 0.7" in c]) == 2  # greedy and sampled, per arm
     assert [c for c in calls if c.startswith("-m eval speed")] == \
         [f"-m eval speed --device cuda --limit 80 --head {res}/a/head --out {res}/speed.json"]  # the first arm's
-    assert sorted(f.name for f in out.iterdir()) == ["head.log", "heads.tar", "speed.json", "tau_a.json", "tau_b.json"]
+    assert sorted(f.name for f in out.iterdir()) == ["head.log", "heads.tar", "speed.json", "tau_a.json",
+                                                     "tau_a_sampled.json", "tau_b.json", "tau_b_sampled.json"]
     assert (res / "distill" / ".sent").is_file()  # the distilled answers came back with the first command
     listing = subprocess.run(["tar", "-tf", str(out / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing

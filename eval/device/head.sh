@@ -22,6 +22,7 @@
 #   TIME_BUDGET training seconds of each arm (default 1500; 0: none, the recipe's epochs or max_steps decide)
 #   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
 #               it as <file>.json)
+#   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
 #   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
 #               added; rows in speed.json, copied to $OUT), e.g. SPEED="--device cuda --dtype bfloat16 --limit 80
@@ -52,7 +53,7 @@ if needs_start; then
   # bash -c records its own pid (alive while the job goes on) and the exit status of the stage that ended it.
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
-      TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" \
+      TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
       target=()
@@ -76,9 +77,13 @@ if needs_start; then
       for pid in "${pids[@]}"; do wait "$pid" || fail $?; done
       for arm in "${arms[@]}"; do
         name=${arm%%=*}
-        [ -f "$0/$name/tau.json" ] && continue
-        python3 -m eval tau --questions mt_bench "${target[@]}" --head "$0/$name/head" --device cuda \
-            --dtype bfloat16 --workers "$TAU_WORKERS" --out "$0/$name" >> "$0/log" 2>&1 || fail $?
+        [ -f "$0/$name/tau.json" ] || python3 -m eval tau --questions mt_bench "${target[@]}" --head "$0/$name/head" \
+            --device cuda --dtype bfloat16 --workers "$TAU_WORKERS" --out "$0/$name" >> "$0/log" 2>&1 || fail $?
+        if [ -n "$TAU_TEMPERATURE" ] && [ ! -f "$0/$name/sampled/tau.json" ]; then
+          python3 -m eval tau --questions mt_bench "${target[@]}" --head "$0/$name/head" --device cuda \
+              --dtype bfloat16 --workers "$TAU_WORKERS" --temperature "$TAU_TEMPERATURE" --out "$0/$name/sampled" \
+              >> "$0/log" 2>&1 || fail $?
+        fi
       done
       if [ -n "$SPEED" ] && [ ! -f "$0/speed.json" ]; then
         read -r -a speed <<< "$SPEED"
@@ -101,6 +106,7 @@ if [ -n "${OUT:-}" ]; then
   cp "$RES/speed.json" "$OUT/" 2> /dev/null || cp "$RES/speed.partial.json" "$OUT/" 2> /dev/null || true
   for name in "${names[@]}"; do
     cp "$RES/$name/tau.json" "$OUT/tau_$name.json" 2> /dev/null || true
+    cp "$RES/$name/sampled/tau.json" "$OUT/tau_${name}_sampled.json" 2> /dev/null || true
     cp "$RES/$name/checkpoint/progress.json" "$OUT/progress_$name.json" 2> /dev/null || true
   done
   if ! running; then
