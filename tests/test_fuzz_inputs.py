@@ -261,13 +261,37 @@ def test_ctrl_c_while_a_command_line_loads(monkeypatch, capfd, command):
     assert err.strip().splitlines() == [err.strip()] and err.strip().startswith("interrupted") and out == ""
 
 
+HOLD_TORCH_IMPORT = """
+import os, sys, time
+
+class HoldTorch:
+    # Marks the moment torch starts loading (a file), then holds that import for a few seconds.
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            open(os.environ["FSD_EAGLE_TEST_LOADING"], "w").close()
+            time.sleep(10)
+        return None
+
+sys.meta_path.insert(0, HoldTorch())
+"""
+
+
 def test_ctrl_c_of_the_real_command_line(folders, tmp_path):
-    """SIGINT 0.8 s after ``python -m fsd_eagle.cli`` starts, while torch and transformers load: exit status
-    130 and the one line "interrupted" (not a 34-line traceback)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    """SIGINT to ``python -m fsd_eagle.cli`` while it loads torch (a sitecustomize holds that import until
+    the signal comes, so the test does not depend on how fast the machine loads): exit status 130 and the
+    one line "interrupted" (not a 34-line traceback)."""
+    hook, loading = tmp_path / "hook", tmp_path / "loading"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_TORCH_IMPORT)
+    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               FSD_EAGLE_TEST_LOADING=str(loading))
     proc = subprocess.Popen([sys.executable, "-m", "fsd_eagle.cli", *generate_argv(folders)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(0.8)
+    deadline = time.monotonic() + 60
+    while not loading.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert loading.exists(), "the command line did not start loading torch"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, err, out) == (130, b"interrupted\n", b"")
