@@ -52,14 +52,13 @@ esac
 """
 
 
-def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
-    """eval/device/head.sh with a stand-in python3: one self-distillation, each arm trained in its own folder
-    from a copy of the distilled answers with its own options, tau per arm, the speed benchmark on the first
-    arm's head, the heads packed once the job has ended; a second command does not start the finished job
-    again."""
+def run_host_script(tmp_path: Path, script: str, args: list[str], ended: str, **settings: str) -> tuple[Path, Path]:
+    """``eval/device/<script>`` as on a GPU host whose model is installed, with the stand-in python3, run twice
+    (the second command must find the job ended, ``ended`` in its output); returns the result folder ($RES)
+    and the folder of what came back ($OUT)."""
     work, fake, res, out, store = (tmp_path / n for n in ("work", "bin", "res", "out", "store"))
     (work / "eval" / "device").mkdir(parents=True)
-    for name in ("head.sh", "assemble.sh", "job.sh"):
+    for name in (script, "assemble.sh", "job.sh"):
         (work / "eval" / "device" / name).write_text((ROOT / "eval" / "device" / name).read_text())
     fake.mkdir()
     (fake / "python3").write_text(FAKE_PYTHON)
@@ -67,17 +66,26 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     store.mkdir()
     (store / ".unpacked").touch()
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
-           "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0",
-           "ARMS": "a=--arch eagle2;b=--arch eagle3 --layers 2 15 27", "SPEED": "--device cuda --limit 80",
-           "TAU_TEMPERATURE": "0.7"}
+           "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0", **settings}
     for _ in range(2):
         out.mkdir(exist_ok=True)
         for f in out.iterdir():
             f.unlink()
-        r = subprocess.run(["bash", "eval/device/head.sh", "--unroll", "3"], cwd=work, env={**env, "OUT": str(out)},
+        r = subprocess.run(["bash", f"eval/device/{script}", *args], cwd=work, env={**env, "OUT": str(out)},
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
-        assert "job ended, status 0" in r.stdout
+        assert ended in r.stdout
+    return res, out
+
+
+def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
+    """eval/device/head.sh with a stand-in python3: one self-distillation, each arm trained in its own folder
+    from a copy of the distilled answers with its own options, tau per arm, the speed benchmark on the first
+    arm's head, the heads packed once the job has ended; a second command does not start the finished job
+    again."""
+    res, out = run_host_script(tmp_path, "head.sh", ["--unroll", "3"], "job ended, status 0",
+                               ARMS="a=--arch eagle2;b=--arch eagle3 --layers 2 15 27", SPEED="--device cuda --limit 80",
+                               TAU_TEMPERATURE="0.7")
     calls = (tmp_path / "calls").read_text().splitlines()
     training = [c for c in calls if c.startswith("-m training run")]
     assert len([c for c in training if "--stage distill" in c]) == 1
@@ -100,26 +108,8 @@ def test_batch_script_runs_several_speed_benchmarks_once_each(tmp_path):
     """eval/device/batch.sh with SPEED holding two option sets ("|"): two eval speed processes, one after
     the other, each with its own result file, neither run again by a second command; BATCH=0 runs no batched
     benchmark and KERNELS=0 keeps no kernels file."""
-    work, fake, res, out, store = (tmp_path / n for n in ("work", "bin", "res", "out", "store"))
-    (work / "eval" / "device").mkdir(parents=True)
-    for name in ("batch.sh", "assemble.sh", "job.sh"):
-        (work / "eval" / "device" / name).write_text((ROOT / "eval" / "device" / name).read_text())
-    fake.mkdir()
-    (fake / "python3").write_text(FAKE_PYTHON)
-    (fake / "python3").chmod(0o755)
-    store.mkdir()
-    (store / ".unpacked").touch()
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
-           "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0", "BATCH": "0",
-           "KERNELS": "0", "SPEED": "--limit 80 --trees 64/6/8,96/6/12|--limit 80 --inductor-freezing"}
-    for _ in range(2):
-        out.mkdir(exist_ok=True)
-        for f in out.iterdir():
-            f.unlink()
-        r = subprocess.run(["bash", "eval/device/batch.sh"], cwd=work, env={**env, "OUT": str(out)},
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        assert "benchmark ended, status 0" in r.stdout
+    res, out = run_host_script(tmp_path, "batch.sh", [], "benchmark ended, status 0", BATCH="0", KERNELS="0",
+                               SPEED="--limit 80 --trees 64/6/8,96/6/12|--limit 80 --inductor-freezing")
     calls = (tmp_path / "calls").read_text().splitlines()
     assert [c for c in calls if c.startswith("-m eval")] == [
         f"-m eval speed --limit 80 --trees 64/6/8,96/6/12 --out {res}/gpu_speed_run.json",
