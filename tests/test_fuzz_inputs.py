@@ -286,8 +286,11 @@ def test_ctrl_c_of_the_real_command_line(folders, tmp_path):
     (hook / "sitecustomize.py").write_text(HOLD_TORCH_IMPORT)
     env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                FSD_EAGLE_TEST_LOADING=str(loading))
+    # A shell that starts the test run in the background makes its children ignore SIGINT, and Python then
+    # leaves it ignored: the command line gets SIGINT's default disposition back, as a terminal would give it.
     proc = subprocess.Popen([sys.executable, "-m", "fsd_eagle.cli", *generate_argv(folders)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not loading.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
