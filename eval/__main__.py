@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import signal
 import sys
 from pathlib import Path
 
-from fsd_eagle.errors import FSDError, InputError
+from fsd_eagle.config import SamplingConfig
+from fsd_eagle.errors import ConfigError, FSDError
 from fsd_eagle.jsonl import write_text_atomic
 
 
@@ -129,8 +129,10 @@ def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
     questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
     if a.per_category is not None:
         questions = first_per_category(questions, a.per_category)
-    if not (a.temperature >= 0 and math.isfinite(a.temperature)):
-        raise InputError(f"--temperature must be a finite number >= 0, got {a.temperature}")
+    try:  # a temperature that generate would refuse, refused before any model loads
+        SamplingConfig(temperature=a.temperature)
+    except ConfigError as e:
+        raise ConfigError(f"--{e}") from None
     result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers,
                          temperature=a.temperature, seed=a.seed)
     text = json.dumps(result)

@@ -90,7 +90,7 @@ def parse_trees(text: str | None) -> list:
     if not text:
         return []
     try:
-        return [TreeConfig.parse(item) for item in text.split(",")]
+        return TreeConfig.parse_list(text)
     except ConfigError as e:
         raise SystemExit(f"error: --trees: {e}") from None
 

@@ -68,6 +68,11 @@ class TreeConfig:
             raise ConfigError(f"expected a tree as total/depth/top_k[/v<draft_vocab>] (e.g. 60/6/10), got {text!r}")
         return cls(*map(int, parts))
 
+    @classmethod
+    def parse_list(cls, text: str) -> list["TreeConfig"]:
+        """Comma-separated trees: "60/6/10,48/5/8/v16384" (ConfigError naming the first malformed one)."""
+        return [cls.parse(item) for item in text.split(",")]
+
     @property
     def path_len(self) -> int:
         """Longest accepted path in nodes, the root included (depth + 1 when drafting)."""

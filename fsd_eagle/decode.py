@@ -212,7 +212,7 @@ def commit_round(target: Target, drafter: SlotDrafter | None, state: RoundState,
 RECOMPILE_LIMIT = 64
 
 
-#: Set to 1 to compile with inductor's freezing (``_compile``); an experiment until measured on GPUs.
+#: Set to 1 to compile with inductor's freezing (``_compile``); opt-in (the fused copies take memory).
 FREEZING_ENV = "FSD_EAGLE_INDUCTOR_FREEZING"
 
 

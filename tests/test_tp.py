@@ -70,7 +70,8 @@ def decode_compiled(folder: Path, head: Path, tp_size: int) -> dict:
     gen = SpeculativeGenerator.load(folder, head=head, device="cpu", dtype="float32", tree=TreeConfig(**TREE),
                                     tp_size=tp_size)
     return {"ar": gen.generate(PROMPTS[0], NEW_TOKENS, autoregressive=True, chat=False).token_ids,
-            "head": gen.generate(PROMPTS[0], NEW_TOKENS, chat=False).token_ids}
+            "head": gen.generate(PROMPTS[0], NEW_TOKENS, chat=False).token_ids,
+            "head_sampled": gen.generate(PROMPTS[1], NEW_TOKENS, temperature=0.9, seed=3, chat=False).token_ids}
 
 
 def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict | None = None,
@@ -182,7 +183,8 @@ def test_two_ranks_decode_what_one_decodes(folders, allreduce):
 @pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 def test_two_ranks_compiled_rounds_decode_what_one_decodes(folders):
     """Compiled rounds and prefills of a target sharded over two ranks (dynamo traces the row-parallel sums)
-    decode what the unsharded target decodes eagerly, AR and EAGLE-2; FSD_EAGLE_INDUCTOR_FREEZING=1 is set
+    decode what the unsharded target decodes eagerly, AR and EAGLE-2, greedy and sampled with a seed (the
+    unsharded sampler is the one the chi-square tests check); FSD_EAGLE_INDUCTOR_FREEZING=1 is set
     and must stay off in a tensor-parallel process (frozen, the process group would be a constant)."""
     from fsd_eagle.cli import quiet_transformers
 
@@ -193,7 +195,7 @@ def test_two_ranks_compiled_rounds_decode_what_one_decodes(folders):
                       decode=decode_compiled)
     for rank, got in sorted(ranks.items()):
         assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
-        for case in ("ar", "head"):
+        for case in ("ar", "head", "head_sampled"):
             assert got["llama"][case] == reference[case], f"{case} rank {rank}"
 
 

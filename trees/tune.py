@@ -763,7 +763,7 @@ def write_preset(path: Path, model: str, device_type: str, entry: dict, bucket: 
 def _trees(text: str) -> list[TreeConfig]:
     """"60/6/10,48/5/8/v16384" -> trees (total_tokens/depth/top_k[/v<draft_vocab>])."""
     try:
-        return [TreeConfig.parse(item) for item in text.split(",")]
+        return TreeConfig.parse_list(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
