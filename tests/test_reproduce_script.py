@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh", "eval/device/head.sh",
-           "eval/device/assemble.sh", "eval/device/batch.sh", "eval/device/job.sh", "eval/device/tp.sh")
+           "eval/device/assemble.sh", "eval/device/batch.sh", "eval/device/job.sh", "eval/device/tp.sh",
+           "eval/device/bring_back.sh")
 
 
 def test_scripts_parse():
@@ -167,3 +168,42 @@ def test_assemble_unpacks_carried_tars_and_checks_the_bundle(tmp_path):
     command(raw[:half], "part_00", "0" * 64)
     r = command(raw[half:], "part_01", "0" * 64)
     assert r.returncode != 0 and not (store / ".unpacked").exists()
+
+
+def test_bring_back_sends_each_piece_once_and_the_pieces_rebuild_the_folder(tmp_path):
+    """eval/device/bring_back.sh: the folder is packed and split once; each command returns the next PER_CALL
+    pieces and the checksum, until "all pieces sent"; the pieces joined give the folder back, checksum and all."""
+    import hashlib
+    import tarfile
+
+    src = tmp_path / "res" / "model"
+    src.mkdir(parents=True)
+    payload = os.urandom(5000)  # a tar of 10,240 bytes: five pieces of 2 KiB
+    (src / "weights.bin").write_bytes(payload)
+    got = tmp_path / "got"
+    got.mkdir()
+    env = {**os.environ, "NAME": "target", "FROM": str(tmp_path / "res"), "PATHS": "model", "PIECE": "2k",
+           "PER_CALL": "2"}
+    outputs = []
+    for _ in range(4):
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        for f in out.iterdir():
+            f.unlink()
+        r = subprocess.run(["bash", str(ROOT / "eval" / "device" / "bring_back.sh")], env={**env, "OUT": str(out)},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        outputs.append(r.stdout)
+        pieces = sorted(f.name for f in out.iterdir() if ".part_" in f.name)
+        assert len(pieces) <= 2 and (out / "target.tar.sha256").is_file()
+        for name in pieces:
+            assert not (got / name).exists()  # no piece comes twice
+            (got / name).write_bytes((out / name).read_bytes())
+        sha_line = (out / "target.tar.sha256").read_text()
+    assert [("all pieces sent" in o) for o in outputs] == [False, False, True, True]
+    assert "sent 0 pieces now" in outputs[3]
+    joined = b"".join((got / n).read_bytes() for n in sorted(p.name for p in got.iterdir()))
+    assert hashlib.sha256(joined).hexdigest() == sha_line.split()[0]
+    (got / "all.tar").write_bytes(joined)
+    with tarfile.open(got / "all.tar") as t:
+        assert t.extractfile("model/weights.bin").read() == payload
