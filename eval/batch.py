@@ -17,8 +17,10 @@ summed over prompts; None for transformers), ``peak_mem_gb`` (``torch.cuda.max_m
 timed run, everything the process holds included; None on the CPU), ``prompts``, ``max_new_tokens``,
 ``device``, ``dtype``, ``tree`` (the generator's tree after the call; None for transformers), ``vs_ar``
 (tokens_per_s over the AR row of the same batch size in the same file), and ``new_tokens``, ``wall_s``,
-``temperature``, ``compile``, ``mode`` / ``attention`` (how the rounds ran). New tokens are counted as
-``DecodeStats.new_tokens`` counts them: the tokens before the first EOS, plus the EOS when one ended the text.
+``temperature``, ``compile``, ``mode`` / ``attention`` (how the rounds ran), and where the wall time went
+(``time_split``: device seconds in prefills and in rounds, their counts, ms per round, the rest). New
+tokens are counted as ``DecodeStats.new_tokens`` counts them: the tokens before the first EOS, plus the EOS
+when one ended the text.
 
 The file (default ``eval/results/gpu_batch.json`` on a GPU, ``cpu_batch.json`` on the CPU) is rewritten
 atomically after every row, so a killed run leaves a valid file with the rows it finished. Its ``meta`` holds
@@ -166,17 +168,20 @@ def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens:
         torch.cuda.reset_peak_memory_stats(dev)
     seeds = [seed + i for i in range(len(encoded))]  # prompt i is decoded with seed + i, whatever its batch
     sync(dev)
+    session.clock.start()
     t = time.perf_counter()
     results = gen.generate(encoded, max_new_tokens, batch_size=batch_size, chat=False, seed=seeds, **sampling,
                            **kwargs)
     sync(dev)
     wall = time.perf_counter() - t
+    session.clock.stop()
+    spent = session.clock.totals()
     new = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
     return {"new_tokens": new, "wall_s": wall, "tau": new / forwards if forwards else None,
             "peak_mem_gb": _peak(dev), "prompts": len(encoded),
             "tree": session.tree.to_dict() if session.drafter is not None else None,
-            "mode": results[-1].stats.mode, "attention": results[-1].stats.attention}
+            "mode": results[-1].stats.mode, "attention": results[-1].stats.attention, "spent": spent}
 
 
 def measure_hf(gen, encoded: list[list[int]], batch_size: int, max_new_tokens: int, *, temperature: float,
@@ -199,7 +204,20 @@ def measure_hf(gen, encoded: list[list[int]], batch_size: int, max_new_tokens: i
     sync(dev)
     wall = time.perf_counter() - t
     return {"new_tokens": new, "wall_s": wall, "tau": None, "peak_mem_gb": _peak(dev), "prompts": len(encoded),
-            "tree": None, "mode": "hf", "attention": None}
+            "tree": None, "mode": "hf", "attention": None, "spent": None}
+
+
+def time_split(spent: dict | None, wall_s: float) -> dict:
+    """Where a timed run's wall time went (``Session.clock`` totals; our methods only): ``prefill_s`` and
+    ``round_s`` (device seconds in prefills and rounds; host seconds on the CPU), ``prefills`` and ``rounds``
+    (how many), ``ms_per_round``, and ``other_s``: the wall time outside both (the device waiting for the
+    host, the last rows alone at the end). None for transformers' generate."""
+    if spent is None:
+        return dict(prefill_s=None, prefills=None, round_s=None, rounds=None, ms_per_round=None, other_s=None)
+    rounds = spent["rounds"]
+    return dict(prefill_s=round(spent["prefill_s"], 3), prefills=spent["prefills"], round_s=round(spent["round_s"], 3),
+                rounds=rounds, ms_per_round=round(1e3 * spent["round_s"] / rounds, 3) if rounds else None,
+                other_s=round(wall_s - spent["prefill_s"] - spent["round_s"], 3))
 
 
 def _peak(dev: torch.device) -> float | None:
@@ -278,7 +296,8 @@ def run_batch(gen, prompts: list[str], batch_sizes: list[int], methods: list[str
                        tau=None if m["tau"] is None else round(m["tau"], 3), peak_mem_gb=m["peak_mem_gb"],
                        prompts=m["prompts"], max_new_tokens=max_new_tokens, device=device, dtype=dtype,
                        tree=m["tree"], new_tokens=m["new_tokens"], wall_s=round(m["wall_s"], 3),
-                       temperature=temperature, compile=bool(gen.compile), mode=m["mode"], attention=m["attention"])
+                       temperature=temperature, compile=bool(gen.compile), mode=m["mode"], attention=m["attention"],
+                       **time_split(m["spent"], m["wall_s"]))
             rows.append(row)
             done.add(row_key(row))
             write_json_atomic(output, {"meta": meta, "rows": annotate(rows)})
@@ -286,7 +305,8 @@ def run_batch(gen, prompts: list[str], batch_sizes: list[int], methods: list[str
             log(f"batch {batch_size:3d}  {method:11s} {divergence or '':10s} "
                 f"{'' if threshold is None else format_threshold(threshold):4s} {shown['tokens_per_s']:10.1f} tok/s  "
                 f"vs AR {shown['vs_ar']}  tau {shown['tau']}  mem {shown['peak_mem_gb']}  {m['prompts']} prompts  "
-                f"{shown['wall_s']:.1f} s")
+                f"{shown['wall_s']:.1f} s" + ("" if shown["rounds"] is None else
+                f" (prefills {shown['prefill_s']:.1f} s, {shown['rounds']} rounds of {shown['ms_per_round']} ms)"))
     rows = annotate(rows)
     if not rows:  # nothing measured and nothing resumed: still a valid file
         write_json_atomic(output, {"meta": meta, "rows": rows})

@@ -11,8 +11,10 @@ decode (fsd_eagle.schedule).
 from __future__ import annotations
 
 import functools
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -73,6 +75,59 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.host
+
+
+class StageClock:
+    """Time a Session spends in its two kinds of work while running (``start`` .. ``stop``): prefills (each
+    group of prompts started together) and rounds (each ``launch``). On CUDA each piece is bracketed by two
+    timing events on the stream, so a span is the device's time from reaching the first to reaching the
+    second (the work itself, not the host's), read only in ``totals`` (one sync at the end); on the CPU,
+    where work runs as it is issued, by the host clock. For benchmarks that split a run's wall time into
+    prefills, rounds and the rest (host work the device waited for, idle rows); off by default (two events
+    per round)."""
+
+    KINDS = ("prefill", "round")
+
+    def __init__(self) -> None:
+        self.running = False
+        self.spans: dict[str, list] = {k: [] for k in self.KINDS}
+
+    def start(self) -> None:
+        """Forget earlier spans and time from now on."""
+        self.spans = {k: [] for k in self.KINDS}
+        self.running = True
+
+    def stop(self) -> None:
+        self.running = False
+
+    @contextmanager
+    def span(self, kind: str, device: torch.device) -> Iterator[None]:
+        """Time the work issued inside the block as one piece of ``kind`` (nothing while not running)."""
+        if not self.running:
+            yield
+            return
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+            self.spans[kind].append((begin, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.spans[kind].append(time.perf_counter() - t)
+
+    def totals(self) -> dict[str, float | int]:
+        """``<kind>s`` (how many) and ``<kind>_s`` (seconds in all) of each kind timed since ``start``."""
+        out: dict[str, float | int] = {}
+        for kind, spans in self.spans.items():
+            if spans and isinstance(spans[0], tuple):
+                spans[-1][1].synchronize()
+                seconds = sum(b.elapsed_time(e) for b, e in spans) / 1e3
+            else:
+                seconds = float(sum(spans))
+            out[f"{kind}s"], out[f"{kind}_s"] = len(spans), seconds
+        return out
 
 
 class PendingRound(HostCopy):
@@ -184,6 +239,7 @@ class Session:
         self.prefills_for: tuple = ()
         self.prefill_pool = None
         self.max_len = 0
+        self.clock = StageClock()  # off unless a benchmark starts it
 
     @property
     def tree(self) -> TreeConfig:
@@ -225,8 +281,9 @@ class Session:
         tokens in the order of ``rows``."""
         firsts: list[FirstToken | None] = [None] * len(rows)
         for group in prefill_groups([p.shape[0] for p in prompts], max(self.prefill_rows)):
-            got = self._start_group([rows[j] for j in group], [prompts[j] for j in group],
-                                    [rules[j] for j in group], [seeds[j] for j in group])
+            with self.clock.span("prefill", self.target.device):
+                got = self._start_group([rows[j] for j in group], [prompts[j] for j in group],
+                                        [rules[j] for j in group], [seeds[j] for j in group])
             for j, first in zip(group, got):
                 firsts[j] = first
         return firsts
@@ -278,6 +335,10 @@ class Session:
 
     def launch(self) -> PendingRound:
         """Start one round of every row; read its results with ``.results()``."""
+        with self.clock.span("round", self.target.device):
+            return self._launch()
+
+    def _launch(self) -> PendingRound:
         if self.use_graph:
             caches = (self.target.cache, getattr(self.drafter, "cache", None), self.state.root_logits)
             if self.graph is None or any(a is not b for a, b in zip(caches, self.captured_for)):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eval/ is not ins
 import eval.batch as batch  # noqa: E402
 from eval.__main__ import main as eval_main  # noqa: E402
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
+from fsd_eagle.config import TreeConfig  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -62,9 +63,15 @@ def test_rows_have_the_schema(folders, tmp_path, capsys):
             a["tokens_per_s"] for a in rows if a["method"] == "ar" and a["batch_size"] == r["batch_size"]), abs=1e-3)
         if r["method"] == "hf_generate":
             assert r["tau"] is None and r["tree"] is None
+            assert r["rounds"] is None and r["prefill_s"] is None and r["other_s"] is None
             assert r["prompts"] == max(r["batch_size"], 1)  # --hf-limit 1: max(batch size, 1) prompts
         else:
             assert r["prompts"] == 3 and r["tau"] >= 1.0
+            # where the wall time went: every prompt prefilled (in groups), rounds timed, the rest >= 0
+            assert 1 <= r["prefills"] <= 3 and r["rounds"] >= 1 and r["prefill_s"] > 0 and r["round_s"] > 0
+            assert r["ms_per_round"] * r["rounds"] / 1e3 == pytest.approx(r["round_s"], abs=1e-3)
+            assert r["other_s"] == pytest.approx(r["wall_s"] - r["prefill_s"] - r["round_s"], abs=2e-3)
+            assert r["other_s"] > -2e-3
             # the tree the batch drafted with; plain decoding drafts none
             assert r["tree"] == (None if r["method"] == "ar" else {"total_tokens": 6, "depth": 3, "top_k": 2})
             assert r["new_tokens"] <= 3 * 6
@@ -186,3 +193,22 @@ def test_prefill_waste_counts_each_prefill_as_a_graph_session_runs_it(tmp_path, 
     out = json.loads((tmp_path / "out.json").read_text())
     assert [r["batch_size"] for r in out["rows"]] == [1, 4] and out["rows"][0]["prefills"] == 6
     assert "batch prefills" in capsys.readouterr().out
+
+
+def test_session_clock_times_prefills_and_rounds_only_while_running(folders):
+    """Session.clock: nothing is recorded until started; then one prefill span per prompt started and one
+    round span per launched round (on the CPU rounds run one at a time, so a prompt decoded alone takes its
+    target forwards less the prefill in rounds); stop ends the timing and totals stay readable."""
+    gen = SpeculativeGenerator.load(str(folders / "target"), head=str(folders / "head"), device="cpu",
+                                    dtype="float32", tree=TreeConfig(total_tokens=6, depth=3, top_k=2))
+    session = gen.session()
+    gen.generate([[5, 6, 7]], 5, chat=False)
+    assert session.clock.totals() == {"prefills": 0, "prefill_s": 0.0, "rounds": 0, "round_s": 0.0}
+    session.clock.start()
+    result = gen.generate([[5, 6, 7]], 5, chat=False)[0]
+    session.clock.stop()
+    spent = session.clock.totals()
+    assert spent["prefills"] == 1 and spent["rounds"] == result.stats.target_forwards - 1 >= 1
+    assert spent["prefill_s"] > 0 and spent["round_s"] > 0
+    gen.generate([[5, 6, 7]], 5, chat=False)  # stopped: nothing added
+    assert session.clock.totals() == spent
