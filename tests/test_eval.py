@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eval/ is not ins
 
 from eval.__main__ import main as eval_main  # noqa: E402
 from eval.fidelity import mean_nll, sequence_nll  # noqa: E402
-from eval.report import aggregate, build_results, claim_check, merge_speed, render_markdown  # noqa: E402
+from eval.report import (aggregate, build_results, claim_check, loss_budget_check, merge_speed,  # noqa: E402
+                         render_markdown, reverse_kl_vs_pr)
 from eval.sweep import (DEFAULT_MAX_NEW_TOKENS, Config, ResultStore, build_configs, load_questions, mmlu_order,
                         parse_limits, parse_max_new_tokens, parse_thresholds, run_sweep, threshold_from_json,
                         threshold_to_json)  # noqa: E402
@@ -385,6 +386,39 @@ def test_render_table_and_claim_check():
     worse[2]["vs_eagle2"] = {"gsm8k": {"delta": -0.2, "se": 0.05, "n": 40}}
     text = "\n".join(claim_check(worse, ["gsm8k"]))
     assert "**Answer: no**" in text and "| kl | inf | 2.33 | -20.0 ± 5.0 | no | yes |" in text
+
+
+def _claim_rows(n: int = 100, fsd: tuple = (("reverse_kl", 1.0, 110.0, -0.01), ("reverse_kl", 2.0, 130.0, -0.015),
+                                             ("reverse_kl", 4.0, 160.0, -0.05), ("kl", 1.0, 140.0, -0.03))):
+    """Rows as aggregate makes them: AR, the exact rule at 100 tok/s (tau 3), FSD rows (divergence, T, tok/s,
+    paired accuracy difference to the exact rule on gsm8k over n questions), one speed source."""
+    base = {"speed_source": "one process", "n": {"gsm8k": n}}
+    rows = [dict(base, method="ar", divergence=None, threshold=None, tokens_per_s=50.0, tau=1.0),
+            dict(base, method="eagle2", divergence=None, threshold=0.0, tokens_per_s=100.0, tau=3.0)]
+    rows += [dict(base, method="fsd", divergence=d, threshold=t, tokens_per_s=tps, tau=3.0 * tps / 100,
+                  vs_eagle2={"gsm8k": {"delta": delta, "se": 0.01, "n": n}}) for d, t, tps, delta in fsd]
+    return rows
+
+
+def test_loss_budget_claim_and_the_reverse_kl_comparison():
+    """The second claim: the fastest FSD row within 2 points of the exact rule's accuracy, >= 1.15 x its speed
+    (reverse_kl T=2: 1.30 x -> yes; slowed to 1.10 x -> no; too few questions -> undetermined); the reverse-KL
+    table puts our gains beside the PR's (+8/+25/+31/+32 %) at the thresholds both have; a sweep of a draft
+    model is checked against exact SD."""
+    text = "\n".join(loss_budget_check(_claim_rows(), ["gsm8k"]))
+    assert "**Answer: yes**" in text and "reverse_kl at T = 2, runs at 1.30 x EAGLE-2's" in text
+    assert "GSM8K -1.5 pp" in text
+    slow = _claim_rows(fsd=(("reverse_kl", 1.0, 110.0, -0.01), ("reverse_kl", 2.0, 105.0, -0.015),
+                            ("reverse_kl", 4.0, 160.0, -0.05)))
+    assert "**Answer: no**" in "\n".join(loss_budget_check(slow, ["gsm8k"]))
+    assert "**Answer: undetermined**" in "\n".join(loss_budget_check(_claim_rows(n=10), ["gsm8k"]))
+    table = reverse_kl_vs_pr(_claim_rows())
+    assert "| 1 | +10% | 3.30 | +8% |" in table and "| 2 | +30% | 3.90 | +25% |" in table
+    assert "| 4 | +60% | 4.80 | +32% |" in table and not any(line.startswith("| 3 |") for line in table)
+    assert reverse_kl_vs_pr(_claim_rows(fsd=(("kl", 1.0, 140.0, -0.03),))) == []
+    md = render_markdown({"meta": {"settings": {"draft_model": "/m/draft"}}, "rows": _claim_rows()})
+    assert "accuracy within noise of exact SD" in md and "than exact SD for at most 2 points" in md
+    assert "runs at 1.30 x SD's tokens/s" in md and "Reverse KL against TensorRT-LLM PR #12853" in md
 
 
 def test_merge_speed_rows():
