@@ -55,7 +55,7 @@ SPEEDUP_CLAIM = 1.15  # the paper's question: >= 15% more tokens per second than
 NOISE_Z = 1.96  # ... with an accuracy drop no larger than this many paired standard errors
 MIN_CLAIM_N = 30  # questions per task below which the claim check gives no answer
 ACC_LOSS_BUDGET = 0.02  # the paper's other claim: a clear speed margin at about 2 points of accuracy lost
-# Reverse KL in TensorRT-LLM PR #12853 (the FSD authors' implementation there, classic SD): tokens/s over
+# Reverse KL in TensorRT-LLM pull request 12853 (the FSD authors' implementation there, classic SD): tokens/s over
 # exact SD at each threshold; acceptance length 3.98 for SD and 4.98 at T = 4.
 PR_REVERSE_KL_GAIN = {1.0: 0.08, 2.0: 0.25, 3.0: 0.31, 4.0: 0.32}
 
@@ -463,7 +463,7 @@ def loss_budget_check(rows: list[dict], tasks: list[str], baseline: str = "exact
 
 
 def reverse_kl_vs_pr(rows: list[dict], baseline: str = "exact EAGLE-2") -> list[str]:
-    """Our reverse-KL speedups over the exact rule next to those reported in TensorRT-LLM PR #12853
+    """Our reverse-KL speedups over the exact rule next to those reported in TensorRT-LLM pull request 12853
     (PR_REVERSE_KL_GAIN: classic SD on the PR's model, so the comparison is of shape, not of numbers)."""
     e2 = next((r for r in rows if r["method"] == "eagle2"), None)
     rkl = {threshold_from_json(r["threshold"]): r for r in rows
@@ -472,7 +472,7 @@ def reverse_kl_vs_pr(rows: list[dict], baseline: str = "exact EAGLE-2") -> list[
     if e2 is None or not shown:
         return []
     short = baseline.removeprefix("exact ")
-    lines = ["## Reverse KL against TensorRT-LLM PR #12853", "",
+    lines = ["## Reverse KL against TensorRT-LLM pull request 12853", "",
              f"tokens/s over {baseline} at each threshold, here and as reported in the PR (classic SD on its model; "
              f"acceptance length 3.98 exact, 4.98 at T = 4 there).", "",
              f"| T | here: tok/s vs {short} | here: tau ({short} {_num(e2.get('tau'), '.2f')}) | PR: tok/s vs SD |",

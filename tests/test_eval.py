@@ -418,7 +418,7 @@ def test_loss_budget_claim_and_the_reverse_kl_comparison():
     assert reverse_kl_vs_pr(_claim_rows(fsd=(("kl", 1.0, 140.0, -0.03),))) == []
     md = render_markdown({"meta": {"settings": {"draft_model": "/m/draft"}}, "rows": _claim_rows()})
     assert "accuracy within noise of exact SD" in md and "than exact SD for at most 2 points" in md
-    assert "runs at 1.30 x SD's tokens/s" in md and "Reverse KL against TensorRT-LLM PR #12853" in md
+    assert "runs at 1.30 x SD's tokens/s" in md and "Reverse KL against TensorRT-LLM pull request 12853" in md
 
 
 def test_merge_speed_rows():
