@@ -53,13 +53,14 @@ esac
 """
 
 
-def run_host_script(tmp_path: Path, script: str, args: list[str], ended: str, **settings: str) -> tuple[Path, Path]:
+def run_host_script(tmp_path: Path, script: str, args: list[str], ended: str, scripts: tuple[str, ...] = (),
+                    **settings: str) -> tuple[Path, Path]:
     """``eval/device/<script>`` as on a GPU host whose model is installed, with the stand-in python3, run twice
-    (the second command must find the job ended, ``ended`` in its output); returns the result folder ($RES)
-    and the folder of what came back ($OUT)."""
+    (the second command must find the job ended, ``ended`` in its output); ``scripts``: other scripts of
+    eval/device it runs. Returns the result folder ($RES) and the folder of what came back ($OUT)."""
     work, fake, res, out, store = (tmp_path / n for n in ("work", "bin", "res", "out", "store"))
     (work / "eval" / "device").mkdir(parents=True)
-    for name in (script, "assemble.sh", "job.sh"):
+    for name in (script, "assemble.sh", "job.sh", *scripts):
         (work / "eval" / "device" / name).write_text((ROOT / "eval" / "device" / name).read_text())
     fake.mkdir()
     (fake / "python3").write_text(FAKE_PYTHON)
@@ -207,3 +208,15 @@ def test_bring_back_sends_each_piece_once_and_the_pieces_rebuild_the_folder(tmp_
     (got / "all.tar").write_bytes(joined)
     with tarfile.open(got / "all.tar") as t:
         assert t.extractfile("model/weights.bin").read() == payload
+
+
+def test_reproduce_script_runs_in_the_folder_its_bundle_was_unpacked_into(tmp_path):
+    """eval/device/reproduce.sh with STORE = RES (a bundle of models unpacked straight into the results
+    folder, docs/reproduction.md): the job starts there, runs the stages it is given and ends."""
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / ".unpacked").touch()
+    got, _ = run_host_script(tmp_path, "reproduce.sh", [], "reproduction ended, status 0", ("reproduce_steps.sh",),
+                             STORE=str(res), STAGES="data")
+    assert got == res and (res / "done" / "data").is_file() and (res / "code" / "eval").is_dir()
+    assert "-m training data prepare" in (tmp_path / "calls").read_text()
