@@ -331,10 +331,11 @@ def test_allreduce_bench_runs_over_gloo(tmp_path):
     if torchrun is None:
         pytest.skip("torchrun is not installed")
     out = tmp_path / "allreduce.json"
-    r = subprocess.run([torchrun, "--nproc-per-node", "2", "eval/device/allreduce_bench.py", "--out", str(out),
-                        "--rows", "1,4", "--k", "64", "--hidden", "32", "--reps", "4"],
+    # --standalone: a rendezvous on a free local port (the default port 29500 may be taken on a shared host)
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "eval/device/allreduce_bench.py",
+                        "--out", str(out), "--rows", "1,4", "--k", "64", "--hidden", "32", "--reps", "4"],
                        cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[:3000] + " ... " + r.stderr[-1500:]
     result = json.loads(out.read_text())
     assert result["world"] == 2 and not result["graphs"]
     assert [row["rows"] for row in result["rows"]] == [1, 4]
