@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     answers = {task: read_records(Path(a.records), task, a.limit) for task in a.tasks}  # bad input first
     dtype = getattr(torch, a.dtype)
     gen = SpeculativeGenerator.load(a.target, draft_model=a.draft_model, device=a.device, dtype=a.dtype)
-    target, draft = (AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).to(a.device).eval()
-                     for path in (a.target, a.draft_model))
+    target, draft = (AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+                     .to(a.device).eval() for path in (a.target, a.draft_model))
     tasks = {}
     for task, records in answers.items():
         prompts = {q.qid: q.prompt for q in load_questions(task)}
