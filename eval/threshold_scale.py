@@ -91,7 +91,6 @@ def scale(p: torch.Tensor, q: torch.Tensor, thresholds: dict[str, list[float]]) 
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from eval.runinfo import git_commit
     from eval.sweep import load_questions
@@ -111,10 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     thresholds = parse_pairs(a.thresholds)
     answers = {task: read_records(Path(a.records), task, a.limit) for task in a.tasks}  # bad input first
-    dtype = getattr(torch, a.dtype)
     gen = SpeculativeGenerator.load(a.target, draft_model=a.draft_model, device=a.device, dtype=a.dtype)
-    target, draft = (AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
-                     .to(a.device).eval() for path in (a.target, a.draft_model))
+    target, draft = gen.engine.model, gen.engine.draft_model  # the stock models, loaded once
     tasks = {}
     for task, records in answers.items():
         prompts = {q.qid: q.prompt for q in load_questions(task)}
