@@ -13,7 +13,7 @@ reported too). Row keys:
   over the AR row's,
   ``speed_source`` (where those two figures come from), ``tau`` = total new tokens / total target forwards
   (all questions), ``fuzzy_accepted`` (tokens accepted only by the fuzzy rule) and ``fuzzy_per_token``,
-  ``divergence_mean`` (mean D at verified nodes);
+  ``divergence_mean`` (mean D at verified nodes); per task ``tau_<task>`` and ``fuzzy_per_token_<task>``;
 * accuracy: ``gsm8k_acc``, ``mmlu_acc``, ``humaneval_pass1``, ``arith_acc`` (None for a task not run), each with ``*_se``
   (binomial standard error), and ``n`` ({task: questions});
 * fidelity: ``agreement`` (mean per-question greedy token agreement with the AR output of the same question,
@@ -126,6 +126,11 @@ def aggregate(records: Iterable[dict], meta: dict | None = None) -> list[dict]:
                 continue
             n = len(rs)
             row["n"][task] = n
+            task_new = sum(r.get("new_tokens", 0) for r in rs)
+            task_forwards = sum(r.get("target_forwards", 0) for r in rs)
+            row[f"tau_{task}"] = _round(task_new / task_forwards) if task_forwards else None
+            row[f"fuzzy_per_token_{task}"] = (_round(sum(r.get("fuzzy_accepted", 0) for r in rs) / task_new)
+                                             if task_new else None)
             acc = sum(bool(r.get("correct")) for r in rs) / n
             row[acc_key] = _round(acc)
             row[acc_key + "_se"] = _round(math.sqrt(acc * (1 - acc) / n))
@@ -206,7 +211,8 @@ def merge_speed(rows: list[dict], speed: dict | list, source: str, temperature: 
     speed_rows = speed.get("rows", []) if isinstance(speed, dict) else list(speed)
     meta = speed.get("meta", {}) if isinstance(speed, dict) else {}
     label = meta.get("source") or source
-    details = ", ".join(f"{k} {meta[k]}" for k in ("device", "date", "prompts", "repeats") if meta.get(k) is not None)
+    details = ", ".join(f"{k} {meta[k]}" for k in ("device", "date", "prompt_source", "prompts", "repeats")
+                        if meta.get(k) is not None)
     if details and not meta.get("source"):
         label += f" ({details})"
     by_key: dict[str, tuple[int, dict]] = {}
@@ -317,7 +323,9 @@ def render_markdown(results: dict) -> str:
     meta, rows = results.get("meta", {}), results["rows"]
     tasks = [t for t in TASKS if any(t in r["n"] for r in rows)]
     settings = meta.get("settings", {})
-    lines = [f"# FSD sweep: target {settings.get('target', '?')}, head {settings.get('head', '?')}", ""]
+    drafter = (f"draft model {settings['draft_model']}" if settings.get("draft_model")
+               else f"head {settings.get('head', '?')}")
+    lines = [f"# FSD sweep: target {settings.get('target', '?')}, {drafter}", ""]
     lines.append(f"- device: {meta.get('device', '?')}; dtype {settings.get('dtype', '?')}; "
                  f"tree {meta.get('tree', settings.get('tree', '?'))}; fuzzy mode {settings.get('fuzzy_mode', '?')}")
     lines.append(f"- date {meta.get('date', '?')}; torch {meta.get('torch', '?')}, transformers "
@@ -343,9 +351,11 @@ def render_markdown(results: dict) -> str:
     head += [TASK_TITLES[t] for t in tasks] + ["agreement", "NLL", "n"] + (["speed"] if len(sources) > 1 else [])
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
+    exact_label = "sd" if settings.get("draft_model") else "eagle2"  # chain drafting by a draft LM: classic SD
     for r in rows:
         t = threshold_from_json(r.get("threshold"))
-        cells = [r["method"], r.get("divergence") or "-", format_threshold(t), _num(r.get("tokens_per_s"), ".1f"),
+        method = exact_label if r["method"] == "eagle2" else r["method"]
+        cells = [method, r.get("divergence") or "-", format_threshold(t), _num(r.get("tokens_per_s"), ".1f"),
                  _num(r.get("speedup_vs_ar"), ".2f"), _num(r.get("tau"), ".2f"), _num(r.get("fuzzy_per_token"), ".3f")]
         cells += [_pct(r.get(ACC_KEYS[task]), r.get(ACC_KEYS[task] + "_se")) for task in tasks]
         cells += [_num(r.get("agreement"), ".3f"), _num(r.get("nll"), ".3f"),
@@ -354,11 +364,30 @@ def render_markdown(results: dict) -> str:
             cells.append(f"[{sources.index(r.get('speed_source') or '?') + 1}]")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    lines += per_task_table(rows, tasks, exact_label)
     baseline = "exact SD" if settings.get("draft_model") else "exact EAGLE-2"
     lines += claim_check(rows, tasks, baseline)
     lines += loss_budget_check(rows, tasks, baseline)
     lines += reverse_kl_vs_pr(rows, baseline)
     return "\n".join(lines) + "\n"
+
+
+def per_task_table(rows: list[dict], tasks: list[str], exact_label: str = "eagle2") -> list[str]:
+    """Markdown lines: tau and the fuzzy share per task (acceptance differs most between tasks; a speed run
+    on one task's prompts is read against that task's tau). Nothing for a single task."""
+    if len(tasks) < 2:
+        return []
+    head = ["method", "divergence", "T"]
+    head += [f"tau {TASK_TITLES[t]}" for t in tasks] + [f"fuzzy/token {TASK_TITLES[t]}" for t in tasks]
+    lines = ["Per task (tau = new tokens per target forward; fuzzy/token = share of tokens accepted by the "
+             "fuzzy rule only):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        method = exact_label if r["method"] == "eagle2" else r["method"]
+        cells = [method, r.get("divergence") or "-", format_threshold(threshold_from_json(r.get("threshold")))]
+        cells += [_num(r.get(f"tau_{t}"), ".2f") for t in tasks]
+        cells += [_num(r.get(f"fuzzy_per_token_{t}"), ".3f") for t in tasks]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _concurrent_tps(row: dict) -> float | None:
@@ -510,6 +539,8 @@ def plot_accuracy_vs_speed(results: dict, path: Path | str) -> Path | None:
         panels.append(("agreement", "token agreement with AR", 1.0))
     if not panels:
         return None
+    exact = ("SD (exact, chain of a draft LM)" if results.get("meta", {}).get("settings", {}).get("draft_model")
+             else "EAGLE-2 (exact, T=0)")
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (key, title, scale) in zip(axes[0], panels):
         by_div: dict[str, list[dict]] = defaultdict(list)
@@ -523,7 +554,7 @@ def plot_accuracy_vs_speed(results: dict, path: Path | str) -> Path | None:
                             label="AR", zorder=5)
             elif r["method"] == "eagle2":
                 ax.errorbar(speed_of(r), scale * r[key], yerr=err, fmt="D", ms=9, color="tab:red",
-                            label="EAGLE-2 (exact, T=0)", zorder=5)
+                            label=exact, zorder=5)
             else:
                 by_div[r["divergence"]].append(r)
         for div, rs in sorted(by_div.items()):
@@ -535,8 +566,7 @@ def plot_accuracy_vs_speed(results: dict, path: Path | str) -> Path | None:
             for x, y, r in zip(xs, ys, rs):
                 ax.annotate(format_threshold(threshold_from_json(r["threshold"])), (x, y), fontsize=7,
                             textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel("tokens / s (" + ("single-process speed run" if single else "the sweep's own") +
-                      ", one source for all points)")
+        ax.set_xlabel("tokens / s (" + ("one single-process run" if single else "the sweep's own") + ")")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)

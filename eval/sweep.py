@@ -36,6 +36,7 @@ batched records carry ``batch_size``, ``elapsed_s`` None and the per-prompt time
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import math
 import multiprocessing as mp
@@ -228,7 +229,9 @@ def score(task: str, payload: dict, text: str, humaneval_timeout_s: float = HUMA
 
 
 class ResultStore:
-    """Per-question JSON lines under ``OUT/raw/<config key>/<task>.jsonl``, appended as jobs complete."""
+    """Per-question JSON lines under ``OUT/raw/<config key>/<task>.jsonl``, appended as jobs complete.
+    Archived records compressed as ``<task>.jsonl.gz`` (what ``eval/results/`` keeps) are read as well, so
+    an archived sweep is reported, and resumed, without unpacking it; new records go to ``.jsonl``."""
 
     def __init__(self, out: Path | str) -> None:
         self.out = Path(out)
@@ -243,6 +246,10 @@ class ResultStore:
         file is rewritten without it so that later appends start on a fresh line."""
         if not path.is_file():
             return []
+        if path.suffix == ".gz":  # an archive: read only, never rewritten
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return [obj for obj in (json.loads(line) for line in f if line.strip())
+                        if isinstance(obj, dict) and "qid" in obj]
         raw = path.read_text(encoding="utf-8")
         records, bad = [], False
         lines = raw.split("\n")
@@ -267,16 +274,20 @@ class ResultStore:
         return records
 
     def done(self, key: str, task: str) -> set[str]:
-        return {str(r["qid"]) for r in self.read(self.path(key, task))}
+        path = self.path(key, task)
+        archived = path.with_name(path.name + ".gz")
+        return {str(r["qid"]) for r in self.read(path) + self.read(archived)}
 
     def records(self) -> list[dict]:
         """Every stored record, all configs and tasks (one per (config, task, question): the first wins)."""
         out, seen = [], set()
         if not self.raw.is_dir():
             return out
-        for path in sorted(self.raw.glob("*/*.jsonl")):
+        paths = sorted(self.raw.glob("*/*.jsonl")) + sorted(self.raw.glob("*/*.jsonl.gz"))
+        for path in paths:
+            task = path.name.removesuffix(".gz").removesuffix(".jsonl")
             for r in self.read(path):
-                ident = (path.parent.name, path.stem, str(r["qid"]))
+                ident = (path.parent.name, task, str(r["qid"]))
                 if ident not in seen:
                     seen.add(ident)
                     out.append(r)

@@ -5,6 +5,7 @@ folder, a random head, and a monkeypatched ``generate`` where the outputs must b
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import sys
@@ -363,6 +364,24 @@ def test_aggregate_agreement_nll_speed():
     assert fsd["vs_eagle2"]["gsm8k"]["se"] == 1.0  # differences -1 and +1
 
 
+def test_per_task_tau_and_fuzzy_share():
+    """tau and the fuzzy share are also given per task (a speed run on one task's prompts is read against
+    that task's tau): arith 6 tokens in 2 forwards, gsm8k 4 tokens in 4; 3 of the 10 tokens fuzzy, all on
+    gsm8k; one task alone gets no per-task table."""
+    records = [dict(rec("fsd-kl-1", "gsm8k", "0", [1, 2, 3, 4], True, "fsd", "kl", 1.0, forwards=4),
+                    fuzzy_accepted=3),
+               rec("fsd-kl-1", "arith", "0", [1, 2, 3, 4, 5, 6], True, "fsd", "kl", 1.0, forwards=2)]
+    (row,) = aggregate(records)
+    assert row["tau"] == pytest.approx(10 / 6, abs=1e-4) and row["fuzzy_per_token"] == 0.3
+    assert (row["tau_gsm8k"], row["tau_arith"]) == (1.0, 3.0)
+    assert (row["fuzzy_per_token_gsm8k"], row["fuzzy_per_token_arith"]) == (0.75, 0.0)
+    md = render_markdown({"meta": {}, "rows": [row]})
+    assert "| method | divergence | T | tau GSM8K | tau Arithmetic | fuzzy/token GSM8K | fuzzy/token Arithmetic |" in md
+    assert "| fsd | kl | 1 | 1.00 | 3.00 | 0.750 | 0.000 |" in md
+    (single,) = aggregate(records[:1])
+    assert "tau GSM8K" not in render_markdown({"meta": {}, "rows": [single]})
+
+
 def test_render_table_and_claim_check():
     rows = aggregate(hand_records(), {"workers": 1, "device": "cpu"})
     md = render_markdown({"meta": {"device": "cpu", "command": "python -m eval sweep --x"}, "rows": rows})
@@ -418,6 +437,8 @@ def test_loss_budget_claim_and_the_reverse_kl_comparison():
     assert reverse_kl_vs_pr(_claim_rows(fsd=(("kl", 1.0, 140.0, -0.03),))) == []
     md = render_markdown({"meta": {"settings": {"draft_model": "/m/draft"}}, "rows": _claim_rows()})
     assert "accuracy within noise of exact SD" in md and "than exact SD for at most 2 points" in md
+    assert md.startswith("# FSD sweep: target ?, draft model /m/draft")
+    assert "| sd | - | 0 | 100.0 |" in md and "| eagle2 |" not in md
     assert "runs at 1.30 x SD's tokens/s" in md and "Reverse KL against TensorRT-LLM pull request 12853" in md
 
 
@@ -494,6 +515,26 @@ def test_table_command_rebuilds_from_raw(tmp_path, capsys):
     assert results["rows"][0]["tokens_per_s"] == 10.0 and results["meta"]["speed_rows_merged"] == 1
     assert "| fsd | kl | inf |" in capsys.readouterr().out
     assert eval_main(["table", "--out", str(tmp_path / "empty")]) == 2  # nothing there: one-line error
+
+
+def test_archived_records_are_read_and_count_as_done(tmp_path):
+    """Records kept compressed (raw/<config>/<task>.jsonl.gz, as in eval/results/) give the same table and
+    count as done for a resumed sweep; a record in both files is counted once."""
+    store = ResultStore(tmp_path)
+    for r in hand_records():
+        store.append(r)
+    store.close()
+    expected = aggregate(ResultStore(tmp_path).records())
+    for path in sorted((tmp_path / "raw").glob("*/*.jsonl")):
+        with gzip.open(path.with_name(path.name + ".gz"), "wt", encoding="utf-8") as f:
+            f.write(path.read_text(encoding="utf-8"))
+        path.unlink()
+    archived = ResultStore(tmp_path)
+    assert aggregate(archived.records()) == expected
+    assert archived.done("fsd-kl-inf", "gsm8k") == {"0", "1"} and archived.done("ar", "mmlu") == set()
+    archived.append(hand_records()[0])  # the same question again, appended to a fresh .jsonl
+    archived.close()
+    assert len(archived.records()) == len(hand_records())
 
 
 def test_plot_or_note(tmp_path, capsys):
