@@ -38,6 +38,31 @@ def test_data_stage_runs_once_and_unknown_stages_are_refused(tmp_path):
     assert bad.returncode == 2 and "unknown stage nonsense" in bad.stderr
 
 
+def test_seed_stage_copies_the_kept_sweeps_once(tmp_path):
+    """seed: each sweep kept in $SEED (records, settings, run log) is copied into $RES, where a later sweep
+    stage resumes it; a sweep that $RES has already is left alone."""
+    seed = tmp_path / "kept"
+    raw = seed / "sweep-draft-t0" / "raw" / "ar"
+    raw.mkdir(parents=True)
+    (raw / "gsm8k.jsonl.gz").write_bytes(b"records")
+    for name in ("settings.json", "runs.jsonl"):
+        (seed / "sweep-draft-t0" / name).write_text("{}")
+    (seed / "sweep-head-t0").mkdir()  # no settings.json: not a sweep, skipped
+    res = tmp_path / "res"
+    env = {**os.environ, "RES": str(res), "STAGES": "seed", "SEED": str(seed), "PY": sys.executable}
+    first = subprocess.run(["bash", "eval/device/reproduce_steps.sh"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert (res / "sweep-draft-t0" / "raw" / "ar" / "gsm8k.jsonl.gz").read_bytes() == b"records"
+    assert (res / "sweep-draft-t0" / "settings.json").is_file() and not (res / "sweep-head-t0").exists()
+    assert "seed sweep-draft-t0: 1 record files" in first.stdout
+    (raw / "gsm8k.jsonl.gz").write_bytes(b"changed")
+    again = subprocess.run(["bash", "eval/device/reproduce_steps.sh"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 0 and "exists, kept" in again.stdout
+    assert (res / "sweep-draft-t0" / "raw" / "ar" / "gsm8k.jsonl.gz").read_bytes() == b"records"
+
+
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # Stands in for python3 on the GPU host: records its arguments, writes what each stage leaves behind.
 echo "$*" >> "$CALLS"

@@ -8,7 +8,11 @@
 # LIMIT (questions per task in the sweeps; default all: 1,319 GSM8K + 1,000 arithmetic), TEMPS ("0 0.7"),
 # DRAFTERS ("head draft"), BATCH (32), LAYERS (draft model layers, 4), HEAD_TIME (head training seconds, 900),
 # DISTILL_COUNT (conversations the target answers for the head, 8000), SPEED_LIMIT (speed prompts, 40),
-# BACKEND (speed rounds: graph, or compiled), THRESHOLDS (the sweep's --thresholds).
+# BACKEND (speed rounds: graph, or compiled), THRESHOLDS (the sweep's --thresholds), SEED (where the seed
+# stage finds sweeps to continue: eval/results/reproduction). LIMIT may name tasks: LIMIT="gsm8k=1319 arith=400".
+# The seed stage copies the records, settings and run log of each sweep kept in $SEED into $RES, unless $RES
+# has that sweep already: a later sweep stage then runs only the questions those records lack (extending a
+# LIMIT=400 sweep to all questions, on the same $RES so that the settings match).
 set -euo pipefail
 RES=${RES:?set RES to the results folder}
 STAGES=${STAGES:-data finetune accuracy head draft sweep speed table}
@@ -22,6 +26,7 @@ DISTILL_COUNT=${DISTILL_COUNT:-8000}
 SPEED_LIMIT=${SPEED_LIMIT:-40}
 BACKEND=${BACKEND:-graph}
 THRESHOLDS=${THRESHOLDS:-reverse_kl:0.25,0.5,1,2,3,4 kl:1,2,4 js:0.2,0.4}
+SEED=${SEED:-eval/results/reproduction}
 PY=${PY:-python3}
 DATA=$RES/data/finetune.jsonl.gz
 TARGET=$RES/finetune/model
@@ -57,6 +62,15 @@ limit_args() { if [ -n "${LIMIT:-}" ]; then echo "--limit $LIMIT"; fi; }
 
 for s in $STAGES; do
   case $s in
+    seed)
+      for d in "$SEED"/sweep-*/; do
+        [ -f "$d/settings.json" ] || continue
+        name=$(basename "$d")
+        if [ -e "$RES/$name" ]; then echo "seed $name: $RES/$name exists, kept"; continue; fi
+        mkdir -p "$RES/$name"
+        cp -r "$d/raw" "$d/settings.json" "$d/runs.jsonl" "$RES/$name/"
+        echo "seed $name: $(find "$RES/$name/raw" -name '*.jsonl*' | wc -l) record files from $d" | tee -a "$RES/logs/stages.log"
+      done ;;
     data) stage data $PY -m training data prepare --out "$DATA" --gsm8k --arith "$ARITH" --eval-prompts ;;
     finetune) stage finetune $PY -m training finetune training/recipes/smollm2-135m-gsm8k-finetune.json \
         --data "$DATA" --out "$RES/finetune" --device cuda --resume ;;
