@@ -36,6 +36,11 @@ def test_data_stage_runs_once_and_unknown_stages_are_refused(tmp_path):
     assert again.returncode == 0 and "stage data: done before" in again.stdout
     bad = _run(tmp_path, "nonsense")
     assert bad.returncode == 2 and "unknown stage nonsense" in bad.stderr
+    assert _run(tmp_path, "wait:data").returncode == 0  # done: no wait
+    env = {**os.environ, "RES": str(tmp_path), "STAGES": "wait:head", "WAIT_LIMIT": "0"}
+    stuck = subprocess.run(["bash", "eval/device/reproduce_steps.sh"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert stuck.returncode == 3 and "gave up waiting for head after 0 s" in stuck.stderr
 
 
 def test_seed_stage_copies_the_kept_sweeps_once(tmp_path):
@@ -66,6 +71,7 @@ def test_seed_stage_copies_the_kept_sweeps_once(tmp_path):
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # Stands in for python3 on the GPU host: records its arguments, writes what each stage leaves behind.
 echo "$*" >> "$CALLS"
+echo "${CUDA_VISIBLE_DEVICES:-all} $*" >> "$CALLS.gpu"
 out=""; prev=""
 for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
 case "$*" in
@@ -73,6 +79,7 @@ case "$*" in
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
   "-m eval tau"*) mkdir -p "$out"; echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
   "-m eval speed"*) echo '{"rows": []}' > "$out" ;;
+  "-m eval sweep"*) mkdir -p "$out/raw"; sleep 1 ;;
   *) echo "default target at /nowhere" ;;
 esac
 """
@@ -245,3 +252,27 @@ def test_reproduce_script_runs_in_the_folder_its_bundle_was_unpacked_into(tmp_pa
                              STORE=str(res), STAGES="data")
     assert got == res and (res / "done" / "data").is_file() and (res / "code" / "eval").is_dir()
     assert "-m training data prepare" in (tmp_path / "calls").read_text()
+    assert "all -m training data prepare" in (tmp_path / "calls.gpu").read_text()  # every GPU visible
+
+
+def test_lanes_run_stages_side_by_side_one_gpu_each(tmp_path):
+    """reproduce.sh with LANES: each lane is its own background job on its own GPU, over the same $RES; a lane
+    that waits for another's stage starts its next stage only once that stage is done; the table renders
+    every sweep folder with its drafter's speed run; a second command finds both lanes ended and starts
+    nothing again; settings given in a lane are that lane's."""
+    res, out = run_host_script(tmp_path, "reproduce.sh", [], "lane b ended, status 0", ("reproduce_steps.sh",),
+                               LANES="a 0 LIMIT=gsm8k=3,arith=2 data sweep:draft:0;\n  b 1 SPEED_TEMPS=0 "
+                                     "wait:sweep-draft-t0 speed:draft table")
+    calls = [c for c in (tmp_path / "calls.gpu").read_text().splitlines() if c.startswith(("0 ", "1 "))]
+    assert (res / "lanes" / "a" / "rc").read_text().strip() == "0"
+    by_gpu = {gpu: [c.split()[2] for c in calls if c.startswith(gpu + " ")] for gpu in ("0", "1")}
+    assert by_gpu == {"0": ["training", "eval"], "1": ["eval", "eval"]}
+    sweep = next(i for i, c in enumerate(calls) if "-m eval sweep" in c)
+    speed = next(i for i, c in enumerate(calls) if "-m eval speed" in c)
+    assert sweep < speed and f"--out {res}/sweep-draft-t0" in calls[sweep]
+    assert "--limit gsm8k=3 arith=2 " in calls[sweep]  # each lane's own settings
+    assert "--draft-model" in calls[speed] and "--temperatures 0 " in calls[speed]
+    assert any(c.startswith(f"1 -m eval table --out {res}/sweep-draft-t0/") for c in calls)
+    assert len(calls) == 4  # the second command started nothing
+    assert (res / "sweep-draft-t0" / "speed.json").is_file()
+    assert {p.name for p in (res / "lanes").iterdir()} == {"a", "b"}

@@ -4,20 +4,30 @@
 # eval/device/reproduce.sh run it in the background on a GPU host without network access. Every stage writes
 # under $RES and is resumable: a finished stage leaves $RES/done/<stage> and is skipped next time; an
 # unfinished one continues from its checkpoint or its results (training --resume, the sweep's own resume).
-# Settings (environment): STAGES (default: all, in order), ARITH (generated training problems, 20000),
-# LIMIT (questions per task in the sweeps; default all: 1,319 GSM8K + 1,000 arithmetic), TEMPS ("0 0.7"),
-# DRAFTERS ("head draft"), BATCH (32), LAYERS (draft model layers, 4), HEAD_TIME (head training seconds, 900),
-# DISTILL_COUNT (conversations the target answers for the head, 8000), SPEED_LIMIT (speed prompts, 40),
-# BACKEND (speed rounds: graph, or compiled), THRESHOLDS (the sweep's --thresholds), SEED (where the seed
-# stage finds sweeps to continue: eval/results/reproduction). LIMIT may name tasks: LIMIT="gsm8k=1319 arith=400".
-# The seed stage copies the records, settings and run log of each sweep kept in $SEED into $RES, unless $RES
-# has that sweep already: a later sweep stage then runs only the questions those records lack (extending a
-# LIMIT=400 sweep to all questions, on the same $RES so that the settings match).
+# Stages (STAGES, in order; default: data finetune accuracy head draft sweep speed table):
+#   data, finetune, accuracy, head, draft     one step each (docs/reproduction.md)
+#   sweep[:D[:T]]   the accuracy sweeps of drafter D (head, or draft: the draft LM) at temperature T; a bare
+#                   `sweep` runs every DRAFTERS x TEMPS pair
+#   speed[:D]       the single-process speed run of drafter D at every temperature of SPEED_TEMPS
+#   table           renders every sweep folder in $RES with its drafter's speed run (speed-D.json)
+#   seed            copies each sweep kept in $SEED (records, settings, run log) into $RES, unless $RES has that
+#                   sweep already: a later sweep then runs only the questions those records lack (extending a
+#                   LIMIT=400 sweep to all questions, on the same $RES so that the settings match)
+#   wait:NAME       waits until the stage NAME (e.g. head, sweep-head-t0) is done, for stages that run side by
+#                   side on several GPUs (eval/device/reproduce.sh, LANES); gives up after WAIT_LIMIT s (7200)
+# Settings (environment): ARITH (generated training problems, 20000), LIMIT (questions per task in the sweeps;
+# default all: 1,319 GSM8K + 1,000 arithmetic; per task: LIMIT="gsm8k=1319 arith=400"), TEMPS ("0 0.7"),
+# SPEED_TEMPS (default TEMPS), DRAFTERS ("head draft"), BATCH (32), LAYERS (draft model layers, 4), HEAD_TIME
+# (head training seconds, 900), DISTILL_COUNT (conversations the target answers for the head, 8000),
+# SPEED_LIMIT (speed prompts, 40), BACKEND (speed rounds: graph, or compiled), THRESHOLDS (the sweep's
+# --thresholds), SEED (eval/results/reproduction), TARGET (the fine-tuned target, $RES/finetune/model).
 set -euo pipefail
 RES=${RES:?set RES to the results folder}
 STAGES=${STAGES:-data finetune accuracy head draft sweep speed table}
 ARITH=${ARITH:-20000}
 TEMPS=${TEMPS:-0 0.7}
+SPEED_TEMPS=${SPEED_TEMPS:-$TEMPS}
+WAIT_LIMIT=${WAIT_LIMIT:-7200}
 DRAFTERS=${DRAFTERS:-head draft}
 BATCH=${BATCH:-32}
 LAYERS=${LAYERS:-4}
@@ -29,7 +39,7 @@ THRESHOLDS=${THRESHOLDS:-reverse_kl:0.25,0.5,1,2,3,4 kl:1,2,4 js:0.2,0.4}
 SEED=${SEED:-eval/results/reproduction}
 PY=${PY:-python3}
 DATA=$RES/data/finetune.jsonl.gz
-TARGET=$RES/finetune/model
+TARGET=${TARGET:-$RES/finetune/model}
 mkdir -p "$RES/done" "$RES/logs"
 
 stage() {  # stage NAME COMMAND...: run once, log to $RES/logs/NAME.log, mark done on success
@@ -58,19 +68,58 @@ fsd_pairs() {  # THRESHOLDS as the speed benchmark's divergence:threshold pairs
   echo "$out"
 }
 
-limit_args() { if [ -n "${LIMIT:-}" ]; then echo "--limit $LIMIT"; fi; }
+limit_args() { if [ -n "${LIMIT:-}" ]; then echo "--limit ${LIMIT//,/ }"; fi; }  # "gsm8k=1319,arith=400" too
+
+sweep() {  # sweep DRAFTER TEMPERATURE
+  # shellcheck disable=SC2046,SC2086
+  stage "sweep-$1-t$2" $PY -m eval sweep --target "$TARGET" $(drafter_args "$1") --tasks gsm8k arith \
+      --methods ar eagle2 fsd --divergences reverse_kl kl js --thresholds $THRESHOLDS --temperature "$2" \
+      --batch-size "$BATCH" --no-progress $(limit_args) --out "$RES/sweep-$1-t$2"
+}
+
+speed() {  # speed DRAFTER
+  # shellcheck disable=SC2046
+  stage "speed-$1" $PY -m eval speed --target "$TARGET" $(drafter_args "$1") --draft-vocab 0 \
+      --prompts gsm8k --limit "$SPEED_LIMIT" --max-new-tokens 256 --repeats 1 --methods ar,eagle2,fsd \
+      --fsd "$(fsd_pairs)" --temperatures "$(echo "$SPEED_TEMPS" | tr ' ' ',')" --backends "$BACKEND" \
+      --rows-only --out "$RES/speed-$1.json"
+}
+
+seed() {  # copy the kept sweeps into $RES (see the header)
+  local d name
+  for d in "$SEED"/sweep-*/; do
+    [ -f "$d/settings.json" ] || continue
+    name=$(basename "$d")
+    if [ -e "$RES/$name" ]; then echo "seed $name: $RES/$name exists, kept"; continue; fi
+    mkdir -p "$RES/$name.seeding"
+    cp -r "$d/raw" "$d/settings.json" "$d/runs.jsonl" "$RES/$name.seeding/"
+    mv "$RES/$name.seeding" "$RES/$name"
+    echo "seed $name: $(find "$RES/$name/raw" -name '*.jsonl*' | wc -l) record files from $d" | tee -a "$RES/logs/stages.log"
+  done
+  date -u +%FT%TZ > "$RES/done/seed"
+}
+
+await() {  # await STAGE: until $RES/done/STAGE exists
+  local waited=0
+  echo "waiting for $1: $(date -u +%FT%TZ)"
+  until [ -f "$RES/done/$1" ]; do
+    if [ "$waited" -ge "$WAIT_LIMIT" ]; then echo "gave up waiting for $1 after $WAIT_LIMIT s" >&2; exit 3; fi
+    sleep 5; waited=$((waited + 5))
+  done
+}
+
+table() {  # every sweep folder with its drafter's speed run
+  local dir name d
+  for dir in "$RES"/sweep-*-t*/; do
+    name=$(basename "$dir"); d=${name#sweep-}; d=${d%-t*}
+    [ -d "$dir/raw" ] && [ -f "$RES/speed-$d.json" ] || continue
+    cp "$RES/speed-$d.json" "$dir/speed.json"
+    $PY -m eval table --out "$dir" --no-plot >> "$RES/logs/table.log" 2>&1
+  done
+}
 
 for s in $STAGES; do
   case $s in
-    seed)
-      for d in "$SEED"/sweep-*/; do
-        [ -f "$d/settings.json" ] || continue
-        name=$(basename "$d")
-        if [ -e "$RES/$name" ]; then echo "seed $name: $RES/$name exists, kept"; continue; fi
-        mkdir -p "$RES/$name"
-        cp -r "$d/raw" "$d/settings.json" "$d/runs.jsonl" "$RES/$name/"
-        echo "seed $name: $(find "$RES/$name/raw" -name '*.jsonl*' | wc -l) record files from $d" | tee -a "$RES/logs/stages.log"
-      done ;;
     data) stage data $PY -m training data prepare --out "$DATA" --gsm8k --arith "$ARITH" --eval-prompts ;;
     finetune) stage finetune $PY -m training finetune training/recipes/smollm2-135m-gsm8k-finetune.json \
         --data "$DATA" --out "$RES/finetune" --device cuda --resume ;;
@@ -81,32 +130,14 @@ for s in $STAGES; do
         --device cuda --resume ;;
     draft) stage draft $PY -m training draft-model --target "$TARGET" --layers "$LAYERS" --data "$DATA" \
         --recipe training/recipes/smollm2-135m-draft-distill.json --out "$RES/draft" --device cuda --resume ;;
-    sweep)
-      for d in $DRAFTERS; do
-        for t in $TEMPS; do
-          # shellcheck disable=SC2046,SC2086
-          stage "sweep-$d-t$t" $PY -m eval sweep --target "$TARGET" $(drafter_args "$d") --tasks gsm8k arith \
-              --methods ar eagle2 fsd --divergences reverse_kl kl js --thresholds $THRESHOLDS --temperature "$t" \
-              --batch-size "$BATCH" --no-progress $(limit_args) --out "$RES/sweep-$d-t$t"
-        done
-      done ;;
-    speed)
-      for d in $DRAFTERS; do
-        # shellcheck disable=SC2046
-        stage "speed-$d" $PY -m eval speed --target "$TARGET" $(drafter_args "$d") --draft-vocab 0 \
-            --prompts gsm8k --limit "$SPEED_LIMIT" --max-new-tokens 256 --repeats 1 --methods ar,eagle2,fsd \
-            --fsd "$(fsd_pairs)" --temperatures "$(echo "$TEMPS" | tr ' ' ',')" --backends "$BACKEND" \
-            --rows-only --out "$RES/speed-$d.json"
-      done ;;
-    table)
-      for d in $DRAFTERS; do
-        for t in $TEMPS; do
-          if [ -d "$RES/sweep-$d-t$t/raw" ] && [ -f "$RES/speed-$d.json" ]; then
-            cp "$RES/speed-$d.json" "$RES/sweep-$d-t$t/speed.json"
-            $PY -m eval table --out "$RES/sweep-$d-t$t" --no-plot >> "$RES/logs/table.log" 2>&1
-          fi
-        done
-      done ;;
+    seed) seed ;;
+    sweep) for d in $DRAFTERS; do for t in $TEMPS; do sweep "$d" "$t"; done; done ;;
+    sweep:*:*) d=${s#sweep:}; sweep "${d%%:*}" "${d#*:}" ;;
+    sweep:*) d=${s#sweep:}; for t in $TEMPS; do sweep "$d" "$t"; done ;;
+    speed) for d in $DRAFTERS; do speed "$d"; done ;;
+    speed:*) speed "${s#speed:}" ;;
+    table) table ;;
+    wait:*) await "${s#wait:}" ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac
 done
