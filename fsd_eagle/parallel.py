@@ -7,9 +7,13 @@ What each rank holds: its share of the target's attention heads (so its slot KV 
 ``num_key_value_heads / N`` heads, see ``Target.num_kv_heads``) and of the MLP; the lm_head is split over the
 vocabulary and gathered after each forward (transformers' ``colwise_gather_output``), so every rank sees the
 same logits and takes the same decisions. The draft head (or draft model) is replicated; an EAGLE head reads
-token embeddings through a full copy of the embedding table (``ReplicatedEmbedding``) and drafts among a
-draft vocabulary from gathered lm_head rows, so drafting runs no collective. Every rank runs the same rounds;
-only rank 0 reports (``is_main_rank``).
+token embeddings through a full copy of the embedding table (``ReplicatedEmbedding``). With a draft vocabulary
+it drafts from lm_head rows gathered once (``SlotDrafter.use_vocab``), so drafting runs no collective; over the
+whole vocabulary it shares the target's sharded lm_head, whose logits are gathered for every tree level after
+the first and after every commit (depth all-gathers per round). A target forward runs two all-reduces per decoder layer, one all-gather of the logits
+and, where transformers shards the embedding over the vocabulary, one more all-reduce for it (counted on two
+gloo ranks with transformers 5.24: 2 x layers + 1 all-reduces and 1 all-gather per forward). Every rank runs the same rounds; only rank 0 reports
+(``is_main_rank``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ The GPU version (NCCL, CUDA graphs, two GPUs) is eval/device/tp_check.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import traceback
@@ -177,6 +178,55 @@ def test_two_ranks_decode_what_one_decodes(folders, allreduce):
             assert len(ref["ar"]) == NEW_TOKENS
             assert tp["draft_model_tau"] == ref["draft_model_tau"] > 2  # long accepted paths were committed
             assert tp["head_tau"] == ref["head_tau"]
+
+
+def count_collectives(folder: Path, head: Path, tp_size: int) -> dict:
+    """Per case, the target forwards and the collectives (gloo all-reduces and all-gathers, from the
+    profiler) of one decode: AR, EAGLE-2 over the whole vocabulary, EAGLE-2 with a draft vocabulary (the
+    head gets a token ranking); and the model's decoder layers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsd_eagle.api import SpeculativeGenerator
+    from fsd_eagle.config import TreeConfig
+    from fsd_eagle.models import save_ranking
+
+    ranked = Path(str(head) + f"-ranked-{os.environ['RANK']}")
+    shutil.copytree(head, ranked, dirs_exist_ok=True)
+    save_ranking(torch.arange(128), ranked)
+    out = {}
+    for name, folder_head, vocab in (("ar", head, 0), ("eagle2", head, 0), ("eagle2_vocab", ranked, 32)):
+        gen = SpeculativeGenerator.load(folder, head=folder_head, device="cpu", dtype="float32", tp_size=tp_size,
+                                        tree=TreeConfig(**TREE, draft_vocab=vocab))
+        gen.generate(PROMPTS[0], 4, autoregressive=name == "ar", chat=False)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r = gen.generate(PROMPTS[0], NEW_TOKENS, autoregressive=name == "ar", chat=False)
+        names = [e.name for e in prof.events()]
+        out[name] = {"forwards": r.stats.target_forwards, "all_reduce": names.count("gloo:all_reduce"),
+                     "all_gather": names.count("gloo:all_gather")}
+    out["layers"] = gen.engine.model.config.num_hidden_layers
+    return out
+
+
+@pytest.mark.skipif(gloo_tensor_parallel() is not None, reason=str(gloo_tensor_parallel()))
+def test_collectives_per_forward(folders):
+    """What a tensor-parallel round costs in collectives (fsd_eagle.parallel's docstring): each target
+    forward (prefill included) two all-reduces per decoder layer plus at most one for a vocabulary-sharded
+    embedding, and one all-gather of the logits; drafting over a draft vocabulary adds none, drafting over
+    the whole vocabulary one all-gather per tree level."""
+    ranks = run_ranks(2, {"llama": folders["llama"]}, decode=count_collectives)
+    for rank, got in sorted(ranks.items()):
+        assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
+        got = got["llama"]
+        per_layer = 2 * got["layers"]
+        for name in ("ar", "eagle2", "eagle2_vocab"):
+            n = got[name]["forwards"]  # the prefill counts as one
+            assert got[name]["all_reduce"] in (per_layer * n, (per_layer + 1) * n), (name, got)
+        assert got["ar"]["all_gather"] == got["ar"]["forwards"]
+        assert got["eagle2_vocab"]["all_gather"] == got["eagle2_vocab"]["forwards"]
+        # over the whole vocabulary: the head's logits after the prefill's commit, then per round depth - 1
+        # tree levels and the commit after verification
+        drafted = got["eagle2"]["all_gather"] - got["eagle2"]["forwards"]
+        assert drafted == 1 + (got["eagle2"]["forwards"] - 1) * TREE["depth"], got["eagle2"]
 
 
 @pytest.mark.skipif(gloo_tensor_parallel() is not None, reason=str(gloo_tensor_parallel()))
