@@ -119,8 +119,11 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     again."""
     res, out = run_host_script(tmp_path, "head.sh", ["--unroll", "3"], "job ended, status 0",
                                ARMS="a=--arch eagle2;b=--arch eagle3 --layers 2 15 27", SPEED="--device cuda --limit 80",
-                               TAU_TEMPERATURE="0.7")
+                               TAU_TEMPERATURE="0.7", GPUS="2")
     calls = (tmp_path / "calls").read_text().splitlines()
+    gpu_of = {c.split("--out ")[1].split()[0]: c.split()[0] for c in (tmp_path / "calls.gpu").read_text().splitlines()
+              if "-m training run" in c and "--stage distill" not in c}
+    assert gpu_of == {f"{res}/a": "0", f"{res}/b": "1"}  # GPUS=2: one arm per GPU
     training = [c for c in calls if c.startswith("-m training run")]
     assert len([c for c in training if "--stage distill" in c]) == 1
     arms = sorted(c for c in training if "--stage distill" not in c)

@@ -24,6 +24,8 @@
 #               it as <file>.json)
 #   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
+#   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, arm i trains alone on GPU
+#               i mod GPUS (on one GPU the arms share it)
 #   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
 #               added; rows in speed.json, copied to $OUT), e.g. SPEED="--device cuda --dtype bfloat16 --limit 80
 #               --repeats 1 --methods ar,eagle2 --temperatures 0,0.7 --backends compiled --rows-only"
@@ -54,6 +56,7 @@ if needs_start; then
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
       TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
+      GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
       target=()
@@ -64,15 +67,19 @@ if needs_start; then
           --stage distill --resume --workers "$WORKERS" "$@" >> "$0/log" 2>&1 || fail $?
       IFS=";" read -r -a arms <<< "$ARMS"
       workers=$(( WORKERS / ${#arms[@]} > 0 ? WORKERS / ${#arms[@]} : 1 ))
-      pids=()
+      pids=(); index=0
       for arm in "${arms[@]}"; do
         name=${arm%%=*}; read -r -a opts <<< "${arm#*=}"
+        gpu=$(( GPUS > 1 ? index % GPUS : 0 )); index=$((index + 1))
         mkdir -p "$0/$name"
         [ -f "$0/$name/distilled.jsonl.gz" ] || cp "$0/distill/distilled.jsonl.gz" "$0/distill/distilled.json" "$0/$name/"
         [ -f "$0/$name/head/config.json" ] && continue
+        # with several GPUs, arm i trains alone on GPU i (mod the count)
+        if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$gpu; fi
         python3 -m training run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/$name" --device cuda --resume \
             "${budget[@]}" --workers "$workers" "${opts[@]}" "$@" >> "$0/log_$name" 2>&1 &
         pids+=($!)
+        if [ "$GPUS" -gt 1 ]; then unset CUDA_VISIBLE_DEVICES; fi
       done
       for pid in "${pids[@]}"; do wait "$pid" || fail $?; done
       for arm in "${arms[@]}"; do
