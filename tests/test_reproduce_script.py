@@ -97,6 +97,9 @@ def run_host_script(tmp_path: Path, script: str, args: list[str], ended: str, sc
     fake.mkdir()
     (fake / "python3").write_text(FAKE_PYTHON)
     (fake / "python3").chmod(0o755)
+    # torchrun --standalone --nproc-per-node N -m ...: recorded, then the stand-in python3 runs the module
+    (fake / "torchrun").write_text('#!/usr/bin/env bash\necho "$*" >> "$CALLS.torchrun"\nshift 3\nexec python3 "$@"\n')
+    (fake / "torchrun").chmod(0o755)
     store.mkdir()
     (store / ".unpacked").touch()
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
@@ -139,6 +142,15 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert (res / "distill" / ".sent").is_file()  # the distilled answers came back with the first command
     listing = subprocess.run(["tar", "-tf", str(out / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
+
+
+def test_head_script_trains_one_arm_data_parallel(tmp_path):
+    """NPROC=2: the arm's training goes through torchrun with two processes; distillation and tau do not."""
+    res, _ = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", NPROC="2", GPUS="2")
+    launched = (tmp_path / "calls.torchrun").read_text().splitlines()
+    assert len(launched) == 1 and launched[0].startswith("--standalone --nproc-per-node 2 -m training run ")
+    assert f"--out {res}/head " in launched[0] and (res / "head" / "head" / "config.json").is_file()
+    assert not any("--stage distill" in c for c in launched)
 
 
 def test_batch_script_runs_several_speed_benchmarks_once_each(tmp_path):

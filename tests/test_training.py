@@ -241,8 +241,8 @@ def test_resume_continues_from_checkpoint(llama, tmp_path, monkeypatch):
     restored = {}
     real_load = training.train.load_checkpoint
 
-    def spy_load(out_dir, head, opt):
-        result = real_load(out_dir, head, opt)
+    def spy_load(out_dir, head, opt, rank=0):
+        result = real_load(out_dir, head, opt, rank)
         restored.update(result=result, state={i: {k: v.clone() for k, v in st.items()}
                                               for i, st in opt.state_dict()["state"].items()})
         return result
@@ -424,8 +424,8 @@ def test_killed_run_resumes_to_the_same_head(llama, tmp_path, monkeypatch):
 
     real_save = training.train.save_checkpoint
 
-    def save_then_die(out_dir, head, opt, step, epoch, log, schedule=None):
-        real_save(out_dir, head, opt, step, epoch, log, schedule)
+    def save_then_die(out_dir, head, opt, step, epoch, log, schedule=None, rngs=None):
+        real_save(out_dir, head, opt, step, epoch, log, schedule, rngs)
         if step == 2:
             raise Killed()
 
@@ -960,3 +960,106 @@ def test_a_loss_taken_in_chunks_of_rows_has_the_same_value_and_gradients(llama, 
     assert chunked[2].keys() == whole[2].keys() and whole[2]
     for name, grad in whole[2].items():
         torch.testing.assert_close(chunked[2][name], grad, msg=name)
+
+
+# ------------------------------------------------------------------------------------ data parallel
+
+
+def _torchrun(argv: list[str], nproc: int = 2, timeout: float = 600) -> "subprocess.CompletedProcess":
+    """``torchrun --standalone --nproc-per-node nproc -m training <argv>`` on the CPU (gloo)."""
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "training", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _gloo_ok() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+@pytest.mark.skipif(not _gloo_ok(), reason="torch.distributed with gloo is not available")
+def test_data_parallel_training_over_two_processes(llama, tmp_path):
+    """torchrun with two processes: each trains on every other batch (an epoch is half the batches' steps),
+    gradients averaged, replicas checked equal at the end, one head exported (recording the two processes).
+    A run stopped after its first step (--stop-after 0) keeps both processes' random streams and, resumed by
+    two processes, ends with exactly the head of the uninterrupted two-process run."""
+    recipe = llama.write_recipe("recipe_ddp.json", epochs=2, distill=False, val_prompts=0)
+    ref, split = tmp_path / "ddp", tmp_path / "ddp_split"
+    r = _torchrun(llama.argv(ref, recipe=recipe))
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = _log(ref)
+    single = tmp_path / "single"
+    assert main(llama.argv(single, recipe=recipe)) == 0
+    assert log[0]["step"] == _log(single)[0]["step"] // 2  # two batches per step
+    config = json.loads((ref / "head" / "config.json").read_text())
+    assert config["training"]["data_parallel_processes"] == 2
+    assert r.stdout.count('"head": ') == 1  # process 0 alone reports and exports
+
+    r = _torchrun(llama.argv(split, "--stop-after", 0, recipe=recipe))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _progress(split)["step"] == 1 and not (split / "head").exists()
+    assert (split / "checkpoint" / "rng.safetensors").is_file() and (split / "checkpoint" / "rng_1.safetensors").is_file()
+    r = _torchrun(llama.argv(split, "--resume", recipe=recipe))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(ref / "head" / "model.safetensors"), load_file(split / "head" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _average_rank(rank: int, port: int, queue) -> None:
+    """One of two gloo processes: gradients (rank + 1) x [1, 2, 3] and (for rank 0 only) a second parameter's
+    gradient; returns the averaged gradients and whether a deliberately drifted replica is caught."""
+    import os
+
+    import torch.distributed as dist
+
+    from training.ddp import Ranks, average_gradients, check_in_sync
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ranks = Ranks(2, rank, rank)
+        a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+        a.grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+        b.grad = torch.ones(2, dtype=torch.bfloat16) * 4 if rank == 0 else None
+        average_gradients([a, b], ranks)
+        module = torch.nn.Linear(2, 2)
+        torch.nn.init.constant_(module.weight, float(rank))  # replicas that differ
+        try:
+            check_in_sync(module, ranks)
+            caught = False
+        except RuntimeError:
+            caught = True
+        queue.put((rank, a.grad.tolist(), b.grad.float().tolist(), b.grad.dtype == torch.bfloat16, caught))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _gloo_ok(), reason="torch.distributed with gloo is not available")
+def test_gradients_are_averaged_over_processes_and_drift_is_caught():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_average_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((item[0], item[1:]) for item in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    for rank in (0, 1):
+        a, b, b_bf16, caught = got[rank]
+        assert a == [1.5, 3.0, 4.5] and b == [2.0, 2.0] and b_bf16 and caught

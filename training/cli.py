@@ -34,6 +34,7 @@ from .data import main as data_main, read_conversations, write_conversations
 from .features import rank_tokens, tokenize_conversation
 from .fingerprint import check_resume, run_fingerprint, write_fingerprint
 from .recipe import Recipe, field_problem
+from .ddp import Ranks, barrier, join, leave
 from .train import checkpoint_dir, export_head, train
 
 PARTIAL_HEAD = "head-partial"  # where Ctrl-C exports the head trained so far
@@ -206,9 +207,11 @@ def run(args: argparse.Namespace) -> int:
     convs = [c for path in recipe.data for c in read_conversations(Path(path))]
     if not convs:
         raise InputError("the training data holds no conversation")
-    device = resolve_device(args.device)
+    ranks, device = join(resolve_device(args.device))  # several processes under torchrun: data parallel
     set_threads(args.threads, device)
-    note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}")
+    if ranks.is_main:
+        note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}"
+             + (f", one of {ranks.world} data-parallel processes" if ranks.parallel else ""))
     model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
     torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
     head = EagleHead(head_config(recipe, model.config.get_text_config(), f"recipe {args.recipe}"))
@@ -221,25 +224,35 @@ def run(args: argparse.Namespace) -> int:
     fingerprint = run_fingerprint(recipe, Path(tok_dir))
     if args.resume and not args.overwrite and out.is_dir():
         check_resume(out, fingerprint)
-    prepare_out(out, args.resume, args.overwrite)
-    write_fingerprint(out, fingerprint)
+    barrier(ranks)  # every process has checked the folder before process 0 prepares it
+    if ranks.is_main:
+        prepare_out(out, args.resume, args.overwrite)
+        write_fingerprint(out, fingerprint)
+    barrier(ranks)
     started = {}  # what an interrupted run can still export (filled once training starts)
     try:
-        return _run(args, recipe, out, convs, device, model, tokenizer, head, tok_dir, started)
+        status = _run(args, recipe, out, convs, device, model, tokenizer, head, tok_dir, started, ranks)
     except KeyboardInterrupt:
-        return interrupted(out, recipe, head, started)
+        return interrupted(out, recipe, head, started) if ranks.is_main else 130
+    leave(ranks)
+    return status
 
 
 def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, model, tokenizer, head: EagleHead,
-         tok_dir: str, started: dict) -> int:
+         tok_dir: str, started: dict, ranks: Ranks = Ranks()) -> int:
     val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}
     if recipe.distill:
+        if not ranks.is_main:
+            barrier(ranks)  # process 0 distils (or finds the cache); the others then read its cache
         distilled = distilled_answers(out, recipe, model, tokenizer, train_convs, timings)
+        if ranks.is_main:
+            barrier(ranks)
         train_convs = {"both": train_convs + distilled, "distilled": distilled, "original": train_convs}[recipe.answers]
     if args.stage == "distill":
-        print(json.dumps({"distilled": len(distilled) if recipe.distill else 0, **timings}))
+        if ranks.is_main:
+            print(json.dumps({"distilled": len(distilled) if recipe.distill else 0, **timings}))
         return 0
     t = time.perf_counter()
     examples = tokenize_all(tokenizer, tok_dir, train_convs, recipe.max_len, args.workers)
@@ -247,8 +260,9 @@ def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, mod
     timings["tokenize_s"] = round(time.perf_counter() - t, 1)
     if head.config.eagle3 and not recipe.init:  # a warm start keeps its head's draft vocabulary
         head.set_draft_vocab(rank_tokens(examples, head.config.vocab_size))
-    print(json.dumps({"conversations": len(train_convs), "examples": len(examples), "loss_tokens": n_tokens,
-                      "val_prompts": len(val), **timings}), flush=True)
+    if ranks.is_main:
+        print(json.dumps({"conversations": len(train_convs), "examples": len(examples), "loss_tokens": n_tokens,
+                          "val_prompts": len(val), **timings}), flush=True)
     target = Target(model)
     head = head.to(device)
     val_prompts = [c.messages[: next(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
@@ -271,11 +285,15 @@ def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, mod
 
     extra = {"examples": len(examples), "loss_tokens": n_tokens,
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if ranks.parallel:
+        extra["data_parallel_processes"] = ranks.world
     started.update(examples=examples, vocab_size=target.vocab_size, extra=extra, timings=timings)
     t = time.perf_counter()
     log, finished = train(target, head, examples, recipe, out, resume=args.resume,
                           validate=validate if val_prompts else None, time_budget_s=args.time_budget,
-                          stop_after_s=args.stop_after)
+                          stop_after_s=args.stop_after, ranks=ranks)
+    if not ranks.is_main:
+        return 0  # process 0 reports and exports
     call_s = round(time.perf_counter() - t, 1)
     # the whole run's training time (over resumed calls too), as the checkpoint counts it
     timings["train_s"] = json.loads((checkpoint_dir(out) / "progress.json").read_text())["train_s"]

@@ -23,6 +23,7 @@ from fsd_eagle.head import EagleHead
 from fsd_eagle.models import save_head
 from fsd_eagle.target import Target
 
+from .ddp import Ranks, average_gradients, check_in_sync, from_main, gather_objects, sum_over
 from .features import Example, collate, make_batches, target_features
 from .recipe import Recipe
 
@@ -167,11 +168,25 @@ def lr_at(step: int, total: int, recipe: Recipe) -> float:
     return recipe.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def rng_state(device: torch.device) -> dict:
+    """This process's random streams (the input-feature noise draws from them)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def rng_file(rank: int) -> str:
+    """The checkpoint file of process ``rank``'s random streams (process 0's keeps the single-process name)."""
+    return "rng.safetensors" if rank == 0 else f"rng_{rank}.safetensors"
+
+
 def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step: int, epoch: int, log: list,
-                    schedule: dict | None = None) -> None:
+                    schedule: dict | None = None, rngs: list[dict] | None = None) -> None:
     """Head + optimizer state as safetensors and progress as JSON, written atomically (tmp + rename).
     ``schedule``: {"total": steps of the LR schedule, "train_s": training seconds so far, "fitted": whether a
-    time budget fixed ``total``}, so a resumed run keeps the schedule it started."""
+    time budget fixed ``total``}, so a resumed run keeps the schedule it started. ``rngs``: every data-parallel
+    process's random streams in rank order (default: this process's alone)."""
     ck = out / "checkpoint"
     tmp = out / "checkpoint.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -183,11 +198,8 @@ def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step
             opt_state[f"{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().float().cpu().reshape(v.shape if torch.is_tensor(v) else ())
     save_file(opt_state, tmp / "optimizer.safetensors")
     # The RNG streams (input-feature noise), so a resumed run draws the noise an uninterrupted one would.
-    device = next(head.parameters()).device
-    rng = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    save_file(rng, tmp / "rng.safetensors")
+    for rank, rng in enumerate(rngs or [rng_state(next(head.parameters()).device)]):
+        save_file(rng, tmp / rng_file(rank))
     (tmp / "progress.json").write_text(json.dumps({"step": step, "epoch": epoch, "log": log, **(schedule or {})}))
     old = out / "checkpoint.old"
     if old.exists():
@@ -207,8 +219,10 @@ def checkpoint_dir(out: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> tuple[int, int, list, dict]:
-    """Restore head, optimizer and RNG streams; returns (step, epoch, log, schedule) as saved."""
+def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer,
+                    rank: int = 0) -> tuple[int, int, list, dict]:
+    """Restore head, optimizer and process ``rank``'s RNG streams (kept as they are when the checkpoint has
+    none for it, e.g. one made by fewer processes); returns (step, epoch, log, schedule) as saved."""
     ck = checkpoint_dir(out)
     head.load_state_dict(load_file(ck / "head.safetensors"))
     flat = load_file(ck / "optimizer.safetensors")
@@ -217,8 +231,8 @@ def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> t
         i, k = key.split(".", 1)
         sd["state"].setdefault(int(i), {})[k] = v.to(next(head.parameters()).device) if k != "step" else v
     opt.load_state_dict(sd)
-    if (ck / "rng.safetensors").exists():
-        rng = load_file(ck / "rng.safetensors")
+    if (ck / rng_file(rank)).exists():
+        rng = load_file(ck / rng_file(rank))
         torch.set_rng_state(rng["cpu"])
         device = next(head.parameters()).device
         if device.type == "cuda" and "cuda" in rng:
@@ -230,8 +244,13 @@ def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer) -> t
 
 def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Recipe, out: Path,
           resume: bool = False, validate=None, time_budget_s: float | None = None,
-          stop_after_s: float | None = None) -> tuple[list[dict], bool]:
+          stop_after_s: float | None = None, ranks: Ranks = Ranks()) -> tuple[list[dict], bool]:
     """Train ``head`` in place; checkpoints in ``out/checkpoint``. Returns (per-epoch log, finished).
+
+    ``ranks``: with several data-parallel processes (training/ddp.py) each takes every ``world``-th batch of
+    an epoch (a step is ``world`` batches, an epoch ``len(batches) // world`` steps), gradients are averaged
+    before each step, decisions that end or shorten the run are process 0's, and process 0 alone writes
+    checkpoints (with every process's random streams) and runs ``validate``.
 
     ``validate(head, deadline) -> dict`` (optional) runs after each epoch (e.g. tau measured by decoding);
     ``deadline`` is None, or with a time budget the ``time.perf_counter()`` value at which the budget is
@@ -251,14 +270,17 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     random.seed(recipe.seed)
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay)
-    batches_per_epoch = len(make_batches(train_set, recipe.tokens_per_batch, recipe.seed))
+    batches_per_epoch = len(make_batches(train_set, recipe.tokens_per_batch, recipe.seed)) // ranks.world
+    if batches_per_epoch == 0:
+        raise InputError(f"the training set makes fewer batches than the {ranks.world} processes: use fewer "
+                         "processes or a smaller tokens_per_batch")
     cap = batches_per_epoch * recipe.epochs  # the recipe's length; a time budget may shorten it
     if recipe.max_steps:
         cap = min(cap, recipe.max_steps)
     total = cap
     step, first_epoch, log, schedule = 0, 0, [], {}
     if resume and checkpoint_dir(out) is not None:
-        step, first_epoch, log, schedule = load_checkpoint(out, head, opt)
+        step, first_epoch, log, schedule = load_checkpoint(out, head, opt, ranks.rank)
         if schedule.get("fitted"):  # a time budget set the run's length: keep it (else --epochs may extend it)
             total = schedule["total"]
     elif resume:
@@ -269,9 +291,13 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     deadline = started + time_budget_s - before_s if time_budget_s else None
     val_s = last_val_s = val_s_at_tick = 0.0  # seconds of validation in this call, of the last one, before tick
 
-    def save(epoch_done: int) -> None:
-        save_checkpoint(out, head, opt, step, epoch_done, log,
-                        {"total": total, "train_s": round(before_s + time.perf_counter() - started, 1), "fitted": fitted})
+    def save(epoch_done: int, together: bool = True) -> None:
+        """A checkpoint by process 0; ``together``: every process calls this (their random streams go in)."""
+        rngs = gather_objects(rng_state(device), ranks) if together else None
+        if ranks.is_main:
+            save_checkpoint(out, head, opt, step, epoch_done, log,
+                            {"total": total, "train_s": round(before_s + time.perf_counter() - started, 1),
+                             "fitted": fitted}, rngs)
 
     def validations_until(end: int) -> int:
         """Validations still to come if training ends at step ``end``: at each epoch end before it, and at it."""
@@ -284,8 +310,10 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             if step >= total:
                 break
             batches = make_batches(train_set, recipe.tokens_per_batch, recipe.seed + epoch)
+            mine = batches[ranks.rank::ranks.world][:batches_per_epoch]  # this process's share, equal for all
             skip = step - epoch * batches_per_epoch
-            bar = tqdm(batches[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
+            bar = tqdm(mine[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch",
+                       disable=not ranks.is_main)
             # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch.
             sums, count, tokens, t0 = torch.zeros(1 + 3 * recipe.unroll, device=device), 0, 0, time.perf_counter()
             for idx in bar:
@@ -296,6 +324,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                     loss, metrics = head_loss(head, target, ids, attn, mask, recipe)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                average_gradients(head.parameters(), ranks)
                 torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
                 opt.step()
                 step += 1
@@ -314,10 +343,11 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                     if validate is not None and last_val_s:  # keep time for the validations still to come
                         for _ in range(2):
                             end = step + max(0, int((left - validations_until(end) * last_val_s) / per_step))
-                    total, fitted = min(cap, end), True
+                    total, fitted = min(cap, from_main(end, ranks, device)), True
                 if step >= total:
                     break
-                if stop_after_s is not None and time.perf_counter() - started >= stop_after_s:
+                if stop_after_s is not None and from_main(int(time.perf_counter() - started >= stop_after_s),
+                                                          ranks, device):
                     save(epoch)
                     head.eval()
                     return log, False
@@ -328,24 +358,27 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                 if step % recipe.checkpoint_every == 0:
                     save(epoch)
             bar.close()
-            means = (sums / max(1, count)).tolist()
+            count = int(sum_over(torch.tensor([count], device=device), ranks).item())
+            means = (sum_over(sums, ranks) / max(1, count)).tolist()
             entry = {"epoch": epoch + 1, "step": step, **named_metrics(means, recipe.unroll, not head.config.eagle3),
                      "seconds": round(time.perf_counter() - t0, 1)}
             log.append(entry)
             resume_epoch = epoch + 1  # the epoch's steps are done (a Ctrl-C in validation keeps them)
-            if validate is not None:
+            if validate is not None and ranks.is_main:
                 head.eval()
                 t = time.perf_counter()
                 entry.update(validate(head, deadline))
                 last_val_s = time.perf_counter() - t
                 val_s += last_val_s
                 head.train()
-            print(json.dumps(entry), flush=True)
+            if ranks.is_main:
+                print(json.dumps(entry), flush=True)
             save(epoch + 1)
     except KeyboardInterrupt:
-        save(resume_epoch)
+        save(resume_epoch, together=False)
         head.eval()
         raise
+    check_in_sync(head, ranks)
     head.eval()
     return log, True
 

@@ -26,6 +26,7 @@
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
 #   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, arm i trains alone on GPU
 #               i mod GPUS (on one GPU the arms share it)
+#   NPROC       train each arm data-parallel over NPROC GPUs (torchrun; README "several GPUs"), for one arm
 #   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
 #               added; rows in speed.json, copied to $OUT), e.g. SPEED="--device cuda --dtype bfloat16 --limit 80
 #               --repeats 1 --methods ar,eagle2 --temperatures 0,0.7 --backends compiled --rows-only"
@@ -56,7 +57,7 @@ if needs_start; then
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
       TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
-      GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" \
+      GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" NPROC="${NPROC:-1}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
       target=()
@@ -74,12 +75,16 @@ if needs_start; then
         mkdir -p "$0/$name"
         [ -f "$0/$name/distilled.jsonl.gz" ] || cp "$0/distill/distilled.jsonl.gz" "$0/distill/distilled.json" "$0/$name/"
         [ -f "$0/$name/head/config.json" ] && continue
-        # with several GPUs, arm i trains alone on GPU i (mod the count)
-        if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$gpu; fi
-        python3 -m training run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/$name" --device cuda --resume \
+        if [ "$NPROC" -gt 1 ]; then  # one arm, data-parallel over NPROC GPUs
+          trainer=(torchrun --standalone --nproc-per-node "$NPROC" -m training)
+        else  # with several GPUs, arm i trains alone on GPU i (mod the count)
+          trainer=(python3 -m training)
+          if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$gpu; fi
+        fi
+        "${trainer[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/$name" --device cuda --resume \
             "${budget[@]}" --workers "$workers" "${opts[@]}" "$@" >> "$0/log_$name" 2>&1 &
         pids+=($!)
-        if [ "$GPUS" -gt 1 ]; then unset CUDA_VISIBLE_DEVICES; fi
+        unset CUDA_VISIBLE_DEVICES
       done
       for pid in "${pids[@]}"; do wait "$pid" || fail $?; done
       for arm in "${arms[@]}"; do
