@@ -1014,6 +1014,21 @@ def test_data_parallel_training_over_two_processes(llama, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.skipif(not _gloo_ok(), reason="torch.distributed with gloo is not available")
+def test_data_parallel_self_distillation_is_shared(llama, tmp_path):
+    """Two processes share the self-distillation (each answers every other conversation) and process 0
+    caches what one process makes: the same conversations, answers and order (greedy, float32)."""
+    recipe = llama.write_recipe("recipe_ddp_distill.json", distill_count=7, distill_batch=3)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(llama.argv(one, "--stage", "distill", recipe=recipe)) == 0
+    r = _torchrun(llama.argv(two, "--stage", "distill", recipe=recipe))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count('"distilled": 7') == 1 and "shared by 2 processes" in r.stderr
+    made = [(c.id, c.messages) for c in read_conversations(two / "distilled.jsonl.gz")]
+    assert made == [(c.id, c.messages) for c in read_conversations(one / "distilled.jsonl.gz")] and len(made) == 7
+    assert (two / "distilled.json").read_text() == (one / "distilled.json").read_text()
+
+
 def _average_rank(rank: int, port: int, queue) -> None:
     """One of two gloo processes: gradients (rank + 1) x [1, 2, 3] and (for rank 0 only) a second parameter's
     gradient; returns the averaged gradients and whether a deliberately drifted replica is caught."""

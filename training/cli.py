@@ -121,30 +121,34 @@ def check_distilled(out: Path, recipe: Recipe) -> None:
                          "use another --out or --overwrite")
 
 
-def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: list, timings: dict) -> list:
+def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: list, timings: dict,
+                      ranks: Ranks = Ranks()) -> list:
     """The target's own answers to the training conversations: from the run folder's cache, made now
-    (self-distillation of the first ``distill_count`` conversations), or the cache extended to more turns;
-    what is made is cached with its settings."""
+    (self-distillation of the first ``distill_count`` conversations; shared by data-parallel processes), or
+    the cache extended to more turns; what is made is cached with its settings (by process 0)."""
     cache = out / "distilled.jsonl.gz"
     settings = cached_distill_settings(out, recipe)
     cached = list(read_conversations(cache)) if settings else []
     if settings == _distill_settings(recipe):
         return cached
-    from .distill import distill
+    from .distill import distill_shared
     t = time.perf_counter()
     pool = train_convs[: recipe.distill_count or None]
     first = settings["distill_turns"] + 1 if settings else 1
     turns = f"turn {first}" if first == recipe.distill_turns else f"turns {first}-{recipe.distill_turns}"
     how = (f"{recipe.distill_samples} answers each sampled at temperature {recipe.distill_temperature:g}, "
            if recipe.distill_temperature > 0 else "")
-    note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, {how}up to "
-         f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}); cached in {cache}")
-    distilled = distill(model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
-                        recipe.distill_new_tokens, recipe.distill_turns, cached,
-                        settings["distill_turns"] if settings else 0, recipe.distill_temperature,
-                        recipe.distill_samples, recipe.seed)
-    write_conversations(distilled, cache)
-    write_text_atomic(out / "distilled.json", json.dumps(_distill_settings(recipe)) + "\n")
+    if ranks.is_main:
+        shared = f", shared by {ranks.world} processes" if ranks.parallel else ""
+        note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, {how}up to "
+             f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}{shared}); cached in {cache}")
+    distilled = distill_shared(ranks, model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
+                               recipe.distill_new_tokens, recipe.distill_turns, cached,
+                               settings["distill_turns"] if settings else 0, recipe.distill_temperature,
+                               recipe.distill_samples, recipe.seed)
+    if ranks.is_main:
+        write_conversations(distilled, cache)
+        write_text_atomic(out / "distilled.json", json.dumps(_distill_settings(recipe)) + "\n")
     timings["distill_s"] = round(time.perf_counter() - t, 1)
     return distilled
 
@@ -244,11 +248,7 @@ def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, mod
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}
     if recipe.distill:
-        if not ranks.is_main:
-            barrier(ranks)  # process 0 distils (or finds the cache); the others then read its cache
-        distilled = distilled_answers(out, recipe, model, tokenizer, train_convs, timings)
-        if ranks.is_main:
-            barrier(ranks)
+        distilled = distilled_answers(out, recipe, model, tokenizer, train_convs, timings, ranks)
         train_convs = {"both": train_convs + distilled, "distilled": distilled, "original": train_convs}[recipe.answers]
     if args.stage == "distill":
         if ranks.is_main:

@@ -3,7 +3,8 @@ run ...`` starts N processes; each holds the target and a replica of the head, t
 epoch's batches (batch i goes to process i mod N, so a step takes N batches of ``tokens_per_batch`` tokens),
 and the gradients are averaged over the processes (one all-reduce of the flattened gradients per step, NCCL on
 GPUs, gloo on the CPU) before every process takes the same optimizer step, so the replicas stay identical.
-Process 0 distils, writes checkpoints and exports; the others wait for it where they need its files. What
+Self-distillation is shared the same way (``distill.distill_shared``); process 0 caches the answers, writes
+checkpoints, validates and exports. What
 goes over the wire is PyTorch's own ``torch.distributed``; nothing here shards a model.
 """
 

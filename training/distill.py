@@ -15,7 +15,7 @@ from .data import Conversation
 @torch.no_grad()
 def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_tokens: int, new_tokens: int,
             turns: int = 1, done: list[Conversation] = (), done_turns: int = 0, temperature: float = 0.0,
-            samples: int = 1, seed: int = 0) -> list[Conversation]:
+            samples: int = 1, seed: int = 0, progress: bool = True) -> list[Conversation]:
     """Regenerate the first ``turns`` assistant turns of each conversation, turn by turn: turn k answers the
     conversation's k-th user message after the target's own earlier answers (the original answers are
     dropped), so every assistant turn of a result is the target's. Returns new conversations (source
@@ -27,7 +27,7 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
     give the same answers).
 
     ``done``: an earlier result of the same settings with ``done_turns`` turns, extended here from turn
-    ``done_turns`` on (a conversation it ended, or left out, stays so)."""
+    ``done_turns`` on (a conversation it ended, or left out, stays so). ``progress``: show progress bars."""
     made = {c.id: c.messages for c in done}
     copies = [(sample_id(c.id, s), c) for c in convs for s in range(samples)]
     dialogs = {i: list(made.get(i, [])) for i, _ in copies}  # the regenerated conversation so far
@@ -39,13 +39,30 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
             if msgs is not None:
                 jobs.append((i, c, dialogs[i] + msgs))
         answers = _answer(model, tokenizer, [m for _, _, m in jobs], batch, prompt_tokens, new_tokens,
-                          f"distill turn {k + 1}", temperature, (seed * 1000 + k) % 2**63)
+                          f"distill turn {k + 1}", temperature, (seed * 1000 + k) % 2**63, progress)
         alive = []
         for (i, c, msgs), answer in zip(jobs, answers):
             if answer:
                 dialogs[i] = msgs + [{"role": "assistant", "content": answer}]
                 alive.append((i, c))
     return [Conversation(i, c.index, f"distill:{c.source}", dialogs[i]) for i, c in copies if dialogs[i]]
+
+
+def distill_shared(ranks, model, tokenizer, convs: list[Conversation], batch: int, prompt_tokens: int,
+                   new_tokens: int, turns: int = 1, done: list[Conversation] = (), done_turns: int = 0,
+                   temperature: float = 0.0, samples: int = 1, seed: int = 0) -> list[Conversation]:
+    """``distill`` shared by data-parallel processes (training/ddp.py): process r answers conversations r,
+    r + N, ... (sampled answers draw from a stream seeded per process), and every process gets all the
+    answers, in the order one process would have made them. Alone: ``distill`` itself."""
+    from .ddp import gather_objects
+
+    if not ranks.parallel:
+        return distill(model, tokenizer, convs, batch, prompt_tokens, new_tokens, turns, done, done_turns,
+                       temperature, samples, seed)
+    mine = distill(model, tokenizer, convs[ranks.rank::ranks.world], batch, prompt_tokens, new_tokens, turns, done,
+                   done_turns, temperature, samples, seed + 7919 * ranks.rank, progress=ranks.is_main)
+    made = {c.id: c for part in gather_objects(mine, ranks) for c in part}
+    return [made[i] for c in convs for i in (sample_id(c.id, s) for s in range(samples)) if i in made]
 
 
 def sample_id(conversation_id: str, sample: int) -> str:
@@ -64,7 +81,7 @@ def _turn_prompt(messages: list[dict], k: int) -> list[dict] | None:
 
 
 def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_tokens: int, new_tokens: int,
-            desc: str, temperature: float = 0.0, seed: int = 0) -> list[str]:
+            desc: str, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> list[str]:
     """The target's answer to each chat prompt (its last ``prompt_tokens`` tokens): greedy, or sampled at
     ``temperature`` (the random state seeded with ``seed`` first), in batches of similar lengths (less
     padding); answers in the order of ``prompts``."""
@@ -81,7 +98,7 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
     if temperature > 0:
         torch.manual_seed(seed)
     start, produced = time.perf_counter(), 0
-    bar = tqdm(range(0, len(order), batch), desc=desc, unit="batch")
+    bar = tqdm(range(0, len(order), batch), desc=desc, unit="batch", disable=not progress)
     for lo in bar:
         chunk = order[lo: lo + batch]
         t = max(len(encoded[i]) for i in chunk)
