@@ -144,13 +144,18 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
 
 
-def test_head_script_trains_one_arm_data_parallel(tmp_path):
-    """NPROC=2: the arm's training goes through torchrun with two processes; distillation and tau do not."""
-    res, _ = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", NPROC="2", GPUS="2")
-    launched = (tmp_path / "calls.torchrun").read_text().splitlines()
-    assert len(launched) == 1 and launched[0].startswith("--standalone --nproc-per-node 2 -m training run ")
-    assert f"--out {res}/head " in launched[0] and (res / "head" / "head" / "config.json").is_file()
-    assert not any("--stage distill" in c for c in launched)
+def test_head_script_trains_arms_data_parallel_on_their_own_gpus(tmp_path):
+    """NPROC=2 on four GPUs: each arm's training goes through torchrun with two processes on its own pair of
+    GPUs (arm a on 0-1, arm b on 2-3); distillation and tau do not."""
+    res, _ = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", NPROC="2", GPUS="4",
+                             ARMS="a=--arch eagle2;b=--arch eagle3")
+    launched = sorted((tmp_path / "calls.torchrun").read_text().splitlines())
+    assert len(launched) == 2 and all(c.startswith("--standalone --nproc-per-node 2 -m training run ")
+                                      for c in launched)
+    gpus = {c.split("--out ")[1].split()[0]: c.split()[0] for c in (tmp_path / "calls.gpu").read_text().splitlines()
+            if "-m training run" in c and "--stage distill" not in c}
+    assert gpus == {f"{res}/a": "0,1", f"{res}/b": "2,3"}
+    assert (res / "a" / "head" / "config.json").is_file() and (res / "b" / "head" / "config.json").is_file()
 
 
 def test_batch_script_runs_several_speed_benchmarks_once_each(tmp_path):

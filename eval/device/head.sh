@@ -26,7 +26,8 @@
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
 #   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, arm i trains alone on GPU
 #               i mod GPUS (on one GPU the arms share it)
-#   NPROC       train each arm data-parallel over NPROC GPUs (torchrun; README "several GPUs"), for one arm
+#   NPROC       train each arm data-parallel over NPROC GPUs (torchrun; README "several GPUs"): arm i on GPUs
+#               i x NPROC ... (i + 1) x NPROC - 1 where the host has them (ARMS of 2 arms, NPROC=2 on 4 GPUs)
 #   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
 #               added; rows in speed.json, copied to $OUT), e.g. SPEED="--device cuda --dtype bfloat16 --limit 80
 #               --repeats 1 --methods ar,eagle2 --temperatures 0,0.7 --backends compiled --rows-only"
@@ -71,15 +72,18 @@ if needs_start; then
       pids=(); index=0
       for arm in "${arms[@]}"; do
         name=${arm%%=*}; read -r -a opts <<< "${arm#*=}"
-        gpu=$(( GPUS > 1 ? index % GPUS : 0 )); index=$((index + 1))
+        # the GPUs of arm i: i mod GPUS alone, or with NPROC > 1 the i-th group of NPROC (when the host has them)
+        first=$(( NPROC > 1 ? index * NPROC : (GPUS > 1 ? index % GPUS : 0) )); index=$((index + 1))
+        group=$(seq -s, "$first" $((first + NPROC - 1)))
         mkdir -p "$0/$name"
         [ -f "$0/$name/distilled.jsonl.gz" ] || cp "$0/distill/distilled.jsonl.gz" "$0/distill/distilled.json" "$0/$name/"
         [ -f "$0/$name/head/config.json" ] && continue
-        if [ "$NPROC" -gt 1 ]; then  # one arm, data-parallel over NPROC GPUs
+        if [ "$NPROC" -gt 1 ]; then  # data-parallel over NPROC GPUs
           trainer=(torchrun --standalone --nproc-per-node "$NPROC" -m training)
+          if [ "$GPUS" -ge $((first + NPROC)) ]; then export CUDA_VISIBLE_DEVICES=$group; fi
         else  # with several GPUs, arm i trains alone on GPU i (mod the count)
           trainer=(python3 -m training)
-          if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$gpu; fi
+          if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$first; fi
         fi
         "${trainer[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/$name" --device cuda --resume \
             "${budget[@]}" --workers "$workers" "${opts[@]}" "$@" >> "$0/log_$name" 2>&1 &
