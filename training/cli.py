@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -59,8 +60,10 @@ def _tokenize(args):
 
 
 def note(message: str) -> None:
-    """A progress line on stderr (stdout carries the run's JSON lines)."""
-    print(message, file=sys.stderr, flush=True)
+    """A progress line on stderr (stdout carries the run's JSON lines); in a data-parallel run, process 0's
+    alone (its RANK is 0 or unset)."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        print(message, file=sys.stderr, flush=True)
 
 
 def tokenize_all(tokenizer, tokenizer_dir: str, convs, max_len: int, workers: int):
@@ -138,10 +141,9 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     turns = f"turn {first}" if first == recipe.distill_turns else f"turns {first}-{recipe.distill_turns}"
     how = (f"{recipe.distill_samples} answers each sampled at temperature {recipe.distill_temperature:g}, "
            if recipe.distill_temperature > 0 else "")
-    if ranks.is_main:
-        shared = f", shared by {ranks.world} processes" if ranks.parallel else ""
-        note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, {how}up to "
-             f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}{shared}); cached in {cache}")
+    shared = f", shared by {ranks.world} processes" if ranks.parallel else ""
+    note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, {how}up to "
+         f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}{shared}); cached in {cache}")
     distilled = distill_shared(ranks, model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
                                recipe.distill_new_tokens, recipe.distill_turns, cached,
                                settings["distill_turns"] if settings else 0, recipe.distill_temperature,
@@ -213,9 +215,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("the training data holds no conversation")
     ranks, device = join(resolve_device(args.device))  # several processes under torchrun: data parallel
     set_threads(args.threads, device)
-    if ranks.is_main:
-        note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}"
-             + (f", one of {ranks.world} data-parallel processes" if ranks.parallel else ""))
+    note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}"
+         + (f", one of {ranks.world} data-parallel processes" if ranks.parallel else ""))
     model, tokenizer = load_target(recipe.target, device, resolve_dtype(args.dtype, device))
     torch.manual_seed(recipe.seed)  # the head's initial weights, whatever ran before in this process
     head = EagleHead(head_config(recipe, model.config.get_text_config(), f"recipe {args.recipe}"))
