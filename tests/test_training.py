@@ -987,7 +987,7 @@ def _gloo_ok() -> bool:
 
 
 @pytest.mark.skipif(not _gloo_ok(), reason="torch.distributed with gloo is not available")
-def test_data_parallel_training_over_two_processes(llama, tmp_path):
+def test_data_parallel_training_over_two_processes(llama, tmp_path, capsys):
     """torchrun with two processes: each trains on every other batch (an epoch is half the batches' steps),
     gradients averaged, replicas checked equal at the end, one head exported (recording the two processes).
     A run stopped after its first step (--stop-after 0) keeps both processes' random streams and, resumed by
@@ -1008,6 +1008,8 @@ def test_data_parallel_training_over_two_processes(llama, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert _progress(split)["step"] == 1 and not (split / "head").exists()
     assert (split / "checkpoint" / "rng.safetensors").is_file() and (split / "checkpoint" / "rng_1.safetensors").is_file()
+    assert main(llama.argv(split, "--resume", recipe=recipe)) != 0  # one process cannot continue two's run
+    assert "made by 2 data-parallel process(es): resume it with as many" in capsys.readouterr().err
     r = _torchrun(llama.argv(split, "--resume", recipe=recipe))
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_file(ref / "head" / "model.safetensors"), load_file(split / "head" / "model.safetensors")

@@ -238,7 +238,7 @@ def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer,
         if device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], device)
     prog = json.loads((ck / "progress.json").read_text())
-    schedule = {k: prog[k] for k in ("total", "train_s", "fitted") if k in prog}
+    schedule = {k: prog[k] for k in ("total", "train_s", "fitted", "processes") if k in prog}
     return prog["step"], prog["epoch"], prog["log"], schedule
 
 
@@ -281,6 +281,9 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     step, first_epoch, log, schedule = 0, 0, [], {}
     if resume and checkpoint_dir(out) is not None:
         step, first_epoch, log, schedule = load_checkpoint(out, head, opt, ranks.rank)
+        if schedule.get("processes", 1) != ranks.world:  # its batches and steps were split for that many
+            raise InputError(f"the checkpoint in {out} was made by {schedule.get('processes', 1)} data-parallel "
+                             f"process(es): resume it with as many (this run has {ranks.world})")
         if schedule.get("fitted"):  # a time budget set the run's length: keep it (else --epochs may extend it)
             total = schedule["total"]
     elif resume:
@@ -297,7 +300,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
         if ranks.is_main:
             save_checkpoint(out, head, opt, step, epoch_done, log,
                             {"total": total, "train_s": round(before_s + time.perf_counter() - started, 1),
-                             "fitted": fitted}, rngs)
+                             "fitted": fitted, "processes": ranks.world}, rngs)
 
     def validations_until(end: int) -> int:
         """Validations still to come if training ends at step ``end``: at each epoch end before it, and at it."""
