@@ -145,13 +145,15 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
 
 
 def test_head_script_trains_arms_data_parallel_on_their_own_gpus(tmp_path):
-    """NPROC=2 on four GPUs: each arm's training goes through torchrun with two processes on its own pair of
-    GPUs (arm a on 0-1, arm b on 2-3); distillation and tau do not."""
+    """NPROC=2 on four GPUs: the self-distillation is shared by all four (torchrun), then each arm's training
+    goes through torchrun with two processes on its own pair of GPUs (arm a on 0-1, arm b on 2-3)."""
     res, _ = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", NPROC="2", GPUS="4",
                              ARMS="a=--arch eagle2;b=--arch eagle3")
-    launched = sorted((tmp_path / "calls.torchrun").read_text().splitlines())
+    launched = sorted(c for c in (tmp_path / "calls.torchrun").read_text().splitlines() if "--stage distill" not in c)
     assert len(launched) == 2 and all(c.startswith("--standalone --nproc-per-node 2 -m training run ")
                                       for c in launched)
+    distilled = [c for c in (tmp_path / "calls.torchrun").read_text().splitlines() if "--stage distill" in c]
+    assert len(distilled) == 1 and distilled[0].startswith("--standalone --nproc-per-node 4 ")  # every GPU
     gpus = {c.split("--out ")[1].split()[0]: c.split()[0] for c in (tmp_path / "calls.gpu").read_text().splitlines()
             if "-m training run" in c and "--stage distill" not in c}
     assert gpus == {f"{res}/a": "0,1", f"{res}/b": "2,3"}

@@ -24,8 +24,9 @@
 #               it as <file>.json)
 #   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
-#   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, arm i trains alone on GPU
-#               i mod GPUS (on one GPU the arms share it)
+#   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, the self-distillation is
+#               shared by all of them (torchrun) and arm i trains alone on GPU i mod GPUS (on one GPU the arms
+#               share it)
 #   NPROC       train each arm data-parallel over NPROC GPUs (torchrun; README "several GPUs"): arm i on GPUs
 #               i x NPROC ... (i + 1) x NPROC - 1 where the host has them (ARMS of 2 arms, NPROC=2 on 4 GPUs)
 #   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
@@ -65,7 +66,9 @@ if needs_start; then
       if [ "$GEMMA" = 1 ]; then target=(--target "$(python3 -m fsd_eagle.gemma3)") || fail $?; fi
       budget=()
       [ "$TIME_BUDGET" = 0 ] || budget=(--time-budget "$TIME_BUDGET")
-      python3 -m training run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/distill" --device cuda \
+      distiller=(python3 -m training)  # with several GPUs the self-distillation is shared by all of them
+      if [ "$GPUS" -gt 1 ]; then distiller=(torchrun --standalone --nproc-per-node "$GPUS" -m training); fi
+      "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/distill" --device cuda \
           --stage distill --resume --workers "$WORKERS" "$@" >> "$0/log" 2>&1 || fail $?
       IFS=";" read -r -a arms <<< "$ARMS"
       workers=$(( WORKERS / ${#arms[@]} > 0 ? WORKERS / ${#arms[@]} : 1 ))
