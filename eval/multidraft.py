@@ -1,0 +1,163 @@
+"""How much a node's children are accepted when sampling at temperature T: the children the tree drafts now
+(the head's top k, a deterministic set) against k children sampled without replacement from the head's
+distribution at T, each verified by its lossless rule. Measured teacher-forced along the target's own samples
+at T (MT-bench first turns), position by position:
+
+* deterministic top-k: recursive rejection with point-mass proposals accepts the set with probability
+  sum_{x in top-k} p_T(x) (``deterministic_acceptance``; this is what the verifier does today);
+* sampled children: k candidates drawn one after the other without replacement from r = q_T, candidate i
+  accepted with probability min(1, p_i(x_i) / r_i(x_i)), on rejection p_{i+1} = norm(max(p_i - r_i, 0)) and
+  r_{i+1} = r_i without x_i, renormalised (recursive rejection sampling without replacement; the output is
+  distributed as p_T). Its acceptance is estimated by Monte Carlo (``sampled_acceptance``).
+
+    python -m eval.multidraft --temperature 0.7 --prompts 8 --positions 300 --out eval/results/multidraft_cpu.json
+
+A per-level comparison only: a whole tree compounds the levels' acceptance along its paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fsd_eagle.errors import InputError
+from fsd_eagle.jsonl import write_text_atomic
+
+KS = (1, 2, 4, 8)
+
+
+def deterministic_acceptance(p: torch.Tensor, q_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row: the probability that the lossless rule accepts one of the head's top-``k`` tokens (by
+    ``q_logits`` ``[N, V]``) when the target samples from ``p`` ``[N, V]``: their total mass under p."""
+    return p.gather(1, q_logits.topk(k, dim=-1).indices).sum(1)
+
+
+def rrsw(p: torch.Tensor, r: torch.Tensor, k: int, draws: int, generator: torch.Generator | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling without replacement, ``draws`` times for one position: target
+    distribution ``p`` ``[V]``, proposal ``r`` ``[V]``, ``k`` candidates. Returns (accepted ``[draws]``
+    bool, the token output ``[draws]``: the accepted candidate, else a sample of the final residual), whose
+    distribution is ``p``."""
+    pi = p.expand(draws, -1).clone()
+    ri = r.expand(draws, -1).clone()
+    accepted = torch.zeros(draws, dtype=torch.bool)
+    out = torch.zeros(draws, dtype=torch.long)
+    for _ in range(k):
+        live = ri.sum(1) > 0  # a proposal with nothing left proposes nothing more
+        x = torch.multinomial(torch.where(live[:, None], ri, 1.0), 1, generator=generator).squeeze(1)
+        px, rx = pi.gather(1, x[:, None]).squeeze(1), ri.gather(1, x[:, None]).squeeze(1)
+        u = torch.rand(draws, generator=generator)
+        take = live & ~accepted & (u * rx < px)
+        out = torch.where(take, x, out)
+        accepted |= take
+        residual = torch.clamp(pi - ri, min=0)
+        # rows still rejecting move to the residual (it has mass: p = r would have been accepted)
+        update = (live & ~accepted)[:, None]
+        pi = torch.where(update, residual / residual.sum(1, keepdim=True).clamp(min=1e-30), pi)
+        ri = torch.where(live[:, None], ri.scatter(1, x[:, None], 0.0), ri)
+        ri = ri / ri.sum(1, keepdim=True).clamp(min=1e-30)
+    rest = torch.multinomial(pi, 1, generator=generator).squeeze(1)
+    return accepted, torch.where(accepted, out, rest)
+
+
+def sampled_acceptance(p: torch.Tensor, r: torch.Tensor, k: int, draws: int = 64,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """Per row of ``p`` and ``r`` ``[N, V]``: the Monte Carlo estimate (``draws`` runs) of the probability
+    that one of ``k`` children sampled without replacement from r is accepted."""
+    return torch.stack([rrsw(p[i], r[i], k, draws, generator)[0].float().mean() for i in range(p.shape[0])])
+
+
+def teacher_forced(model, tokenizer, head, prompts: list[str], temperature: float, new_tokens: int, seed: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and head logits ``[N, V]`` at every answer position of the target's own answers sampled at
+    ``temperature``: the head reads the target's features up to the position before (EAGLE-2 drafting's
+    first level)."""
+    from fsd_eagle.target import Target
+
+    target = Target(model)
+    torch.manual_seed(seed)
+    ps, qs = [], []
+    for text in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        ids = torch.tensor([list(ids["input_ids"] if hasattr(ids, "keys") else ids)], device=model.device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=new_tokens)
+            f = target.base(input_ids=out, attention_mask=torch.ones_like(out)).last_hidden_state
+            pred = head.unroll(target.embed(out[:, 1:]), f[:, :-1], 1)[0]  # row t: f_{t+1} -> token t + 2
+            t = torch.arange(ids.shape[1] - 2, out.shape[1] - 2, device=out.device)
+            ps.append(target.logits(f[0, t + 1]).float())
+            qs.append(target.logits(pred[0, t]).float())
+    return torch.cat(ps), torch.cat(qs)
+
+
+def measure(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, positions: int, draws: int,
+            seed: int) -> dict:
+    """Mean acceptance per k, deterministic and sampled, on ``positions`` rows chosen at random (the same
+    rows for both)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(p_logits.shape[0], generator=g)[:positions]
+    p = torch.softmax(p_logits[rows] / temperature, -1)
+    r = torch.softmax(q_logits[rows] / temperature, -1)
+    out = {"positions": int(rows.numel()), "draws": draws}
+    for k in KS:
+        out[f"deterministic_{k}"] = round(float(deterministic_acceptance(p, q_logits[rows], k).mean()), 4)
+        out[f"sampled_{k}"] = round(float(sampled_acceptance(p, r, k, draws, g).mean()), 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fsd_eagle.cli import OneLineParser, quiet_transformers
+    from fsd_eagle.models import default_head_path, load_head, load_target
+
+    from .tasks import load_mt_bench
+
+    ap = OneLineParser(prog="python -m eval.multidraft", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--prompts", type=int, default=8, help="MT-bench first turns, spread over the 80")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--positions", type=int, default=300, help="answer positions measured (at random)")
+    ap.add_argument("--draws", type=int, default=64, help="Monte Carlo runs per position")
+    ap.add_argument("--head", help="head folder (default: the shipped head)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    if not a.temperature > 0:
+        raise InputError("--temperature must be > 0 (greedy decoding has no sampled children)")
+    if min(a.prompts, a.new_tokens, a.positions, a.draws) < 1:
+        raise InputError("--prompts, --new-tokens, --positions and --draws must be >= 1")
+    quiet_transformers()
+    device = torch.device("cpu")
+    model, tokenizer = load_target(None, device, torch.float32)
+    head_dir = a.head or default_head_path("SmolLM2-135M-Instruct")
+    head = load_head(head_dir, model.config, device, torch.float32).eval()
+    questions = load_mt_bench()
+    chosen = questions[:: max(1, len(questions) // a.prompts)][: a.prompts]
+    t = time.perf_counter()
+    p_logits, q_logits = teacher_forced(model, tokenizer, head, [q.turns[0] for q in chosen], a.temperature,
+                                        a.new_tokens, a.seed)
+    result = {"temperature": a.temperature, "prompts": len(chosen), "answer_positions": int(p_logits.shape[0]),
+              **measure(p_logits, q_logits, a.temperature, a.positions, a.draws, a.seed),
+              "head": str(head_dir), "device": f"cpu ({platform.machine()})", "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - t, 1),
+              "command": "python -m eval.multidraft " + " ".join(sys.argv[1:] if argv is None else argv)}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.out:
+        write_text_atomic(Path(a.out), text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
