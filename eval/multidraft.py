@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from fsd_eagle.cli import OneLineParser, quiet_transformers
     from fsd_eagle.models import default_head_path, load_head, load_target
 
+    from .runinfo import git_commit, versions
     from .tasks import load_mt_bench
 
     ap = OneLineParser(prog="python -m eval.multidraft", description=__doc__.split("\n\n")[0])
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                                         a.new_tokens, a.seed)
     result = {"temperature": a.temperature, "prompts": len(chosen), "answer_positions": int(p_logits.shape[0]),
               **measure(p_logits, q_logits, a.temperature, a.positions, a.draws, a.seed),
-              "head": str(head_dir), "device": f"cpu ({platform.machine()})", "torch": torch.__version__,
+              "head": a.head or "the shipped head (fsd_eagle/heads/SmolLM2-135M-Instruct)",
+              "device": f"cpu ({platform.machine()})", **versions(), "commit": git_commit(short=True),
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - t, 1),
               "command": "python -m eval.multidraft " + " ".join(sys.argv[1:] if argv is None else argv)}
     text = json.dumps(result, indent=1)
