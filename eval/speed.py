@@ -272,6 +272,8 @@ def _label(row: dict, with_tree: bool = False) -> str:
     name += f"_{row['backend']}" if row["backend"] != "hf" else ""
     if row.get("temperature"):
         name += f"_t{row['temperature']:g}" + (f"_p{row['top_p']:g}" if row.get("top_p", 1.0) < 1.0 else "")
+    if row.get("children", "top") != "top":
+        name += f"_{row['children']}"
     return name
 
 
@@ -377,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated temperatures, 0 = greedy (e.g. 0,0.7,1.0); each method and backend is "
                         "measured at each, in this order")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling rows (temperature > 0)")
+    p.add_argument("--children", default="top",
+                   help="comma-separated: the exact sampling rows (eagle2 at temperature > 0) with the tree's top "
+                        "children and/or children sampled from the drafter (top,sampled); rows of 'sampled' are "
+                        "named ..._sampled")
     p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
     add_tree_arguments(p)
     p.add_argument("--trees", help="drafting rows with each of these trees (total/depth/top_k[/v<draft_vocab>], "
@@ -403,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code", help="commit to record (default: git rev-parse HEAD; for a copy whose .git is stale)")
     a = p.parse_args(argv)
     temperatures = parse_floats(a.temperatures, "--temperatures")
+    children_kinds = [c.strip() for c in a.children.split(",") if c.strip()]
+    if not children_kinds or any(c not in ("top", "sampled") for c in children_kinds):
+        raise SystemExit(f"error: --children takes top and/or sampled, comma-separated; got {a.children!r}")
     trees = parse_trees(a.trees)
     if a.inductor_freezing:
         from fsd_eagle.decode import FREEZING_ENV
@@ -450,12 +459,15 @@ def main(argv: list[str] | None = None) -> int:
             if run_tree is not None:
                 tree = gen.set_tree(run_tree.total_tokens, run_tree.depth, run_tree.top_k, run_tree.draft_vocab)
             for method, div, threshold, kwargs in methods_here:
-                for temperature in temperatures:
+                for temperature, children in ((t, c) for t in temperatures
+                                              for c in (children_kinds if t and method == "eagle2" else ["top"])):
                     sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
                     seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
-                    row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs)
+                    row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs,
+                                       **({"children": children} if children != "top" else {}))
                     row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
-                           **sampling, "tree": "ar" if method == "ar" else tree.label, "prompts": len(prompts), **row}
+                           **sampling, **({"children": children} if children != "top" else {}),
+                           "tree": "ar" if method == "ar" else tree.label, "prompts": len(prompts), **row}
                     row["name"] = _label(row, with_tree=len(trees) > 1)
                     outputs[row["name"]] = row.pop("outputs", None)
                     rows.append(row)
@@ -495,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                        "draft_model": a.draft_model,
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "trees": [t.label for t in trees] or None,
-                       "temperatures": temperatures, "top_p": a.top_p, "seed": a.seed,
+                       "temperatures": temperatures, "top_p": a.top_p, "children": children_kinds, "seed": a.seed,
                        "commit": a.code or git_commit(short=True), "inductor_freezing": freezing(),
                        "command": "python -m eval speed " + " ".join(argv if argv is not None else sys.argv[1:])}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

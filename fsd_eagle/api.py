@@ -288,10 +288,11 @@ class SpeculativeGenerator:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _prepare(self, prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive) -> _Call:
+    def _prepare(self, prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive,
+                 children: str = "top") -> _Call:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, children=children)
         ids = self.encode(prompt, chat)
         limit = self.target.max_positions
         if len(ids) + self.tree.total_tokens + self.tree.depth + 2 >= limit:
@@ -317,7 +318,7 @@ class SpeculativeGenerator:
                top_p: float = 1.0, top_k: int = 0, fuzzy: FuzzyConfig | None = None,
                seed: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
                chat: bool | None = None, autoregressive: bool = False, with_result: bool = False,
-               batch_size: int | None = None) -> Iterator:
+               batch_size: int | None = None, children: str = "top") -> Iterator:
         """Yield text pieces as they are accepted, then (only with ``with_result``) the GenerationResult
         with the call's statistics; see ``generate`` for the other arguments. Given a list of prompts,
         yield ``(index, piece)`` pairs instead, pieces of all prompts interleaved as rounds complete (and
@@ -331,12 +332,12 @@ class SpeculativeGenerator:
         many = is_prompt_list(prompt)
         if many:
             calls = self._prepare_many(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
-                                       autoregressive, batch_size)
+                                       autoregressive, batch_size, children)
         else:
             if batch_size is not None:
                 raise InputError("batch_size applies to a list of prompts")
             calls = [self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
-                                   autoregressive)]
+                                   autoregressive, children)]
         with self._calls.hold():
             for i, piece in self._decode(calls, self._rows(len(calls), batch_size), streaming=True):
                 if with_result or isinstance(piece, str):
@@ -345,7 +346,7 @@ class SpeculativeGenerator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, chat: bool | None = None,
-                 autoregressive: bool = False, batch_size: int | None = None
+                 autoregressive: bool = False, batch_size: int | None = None, children: str = "top"
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate up to ``max_new_tokens`` tokens after ``prompt``; given a list of prompts (strings, or
         lists of messages or token ids), a list of results in input order (see ``generate_many``).
@@ -353,6 +354,9 @@ class SpeculativeGenerator:
         temperature 0 is greedy; otherwise top_p / top_k filter the target's distribution. ``fuzzy`` sets
         the FSD rule (default: exact). Generation stops at EOS, at any ``stop`` string (excluded from the
         text) or at max_new_tokens. ``autoregressive`` decodes without a drafter (the baseline).
+        ``children`` (sampling with the exact rule): "top" drafts each node's most likely tokens, "sampled"
+        draws them from the drafter at the temperature (speculative sampling; for chains of a draft model,
+        top_k 1, it accepts more); both give the target's distribution.
 
         One call runs at a time (the KV caches and round state are the generator's): a call from another
         thread waits for the running one; a call while this thread's own ``stream`` iterator is unfinished
@@ -362,12 +366,13 @@ class SpeculativeGenerator:
             results: list = [None] * len(prompt)
             for i, r in self.generate_many(prompt, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                            fuzzy=fuzzy, seed=seed, stop=stop, chat=chat,
-                                           autoregressive=autoregressive, batch_size=batch_size):
+                                           autoregressive=autoregressive, batch_size=batch_size, children=children):
                 results[i] = r
             return results
         if batch_size is not None:
             raise InputError("batch_size applies to a list of prompts")
-        call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive)
+        call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive,
+                             children)
         with self._calls.hold():
             return next(piece for _, piece in self._decode([call], 1) if isinstance(piece, GenerationResult))
 
@@ -375,7 +380,7 @@ class SpeculativeGenerator:
                       top_p: float = 1.0, top_k: int = 0, fuzzy: FuzzyConfig | None = None,
                       seed: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
                       chat: bool | None = None, autoregressive: bool = False,
-                      batch_size: int | None = None) -> Iterator[tuple[int, GenerationResult]]:
+                      batch_size: int | None = None, children: str = "top") -> Iterator[tuple[int, GenerationResult]]:
         """Generate for many prompts; yield ``(index, result)`` as each prompt finishes (completion order,
         ``index`` into ``prompts``). Up to ``batch_size`` prompts (default: all, at most 64) decode together,
         one target forward per round for all of them; a prompt that finishes frees its row for the next one
@@ -383,7 +388,7 @@ class SpeculativeGenerator:
         ``generate`` of that prompt alone with that seed, up to floating-point differences between batch
         shapes) or one per prompt. Every prompt is checked before the first one runs."""
         calls = self._prepare_many(prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
-                                   autoregressive, batch_size)
+                                   autoregressive, batch_size, children)
         with self._calls.hold():
             for i, piece in self._decode(calls, self._rows(len(calls), batch_size)):
                 if isinstance(piece, GenerationResult):
@@ -395,7 +400,7 @@ class SpeculativeGenerator:
         return min(batch_size or BUCKETS[-1], prompts, BUCKETS[-1])
 
     def _prepare_many(self, prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
-                      autoregressive, batch_size) -> list[_Call]:
+                      autoregressive, batch_size, children: str = "top") -> list[_Call]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise InputError("prompts must be a list of prompts")
         prompts = list(prompts)
@@ -414,17 +419,18 @@ class SpeculativeGenerator:
         for i, (prompt, s) in enumerate(zip(prompts, seeds)):
             try:
                 calls.append(self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, s, stop, chat,
-                                           autoregressive))
+                                           autoregressive, children))
             except InputError as e:
                 raise InputError(f"prompt {i}: {e}") from None
         return calls
 
     def session(self, autoregressive: bool = False, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                fuzzy: FuzzyConfig | None = None, batch: int = 1) -> Session:
+                fuzzy: FuzzyConfig | None = None, batch: int = 1, children: str = "top") -> Session:
         """The session that a call with these arguments uses now (same tree, graph and compile settings;
         ``batch`` prompts decoded together: the batch's tree, rows rounded up to a bucket): for tools that time or inspect rounds (its ``graph``,
         ``prefills``, ``state``, ``mode``, ``launch``)."""
-        rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k), fuzzy or FuzzyConfig())
+        rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, children=children),
+                              fuzzy or FuzzyConfig())
         return self._session(not autoregressive, rule, batch)
 
     def _session(self, drafting: bool, rule: AcceptanceRule, rows: int) -> Session:

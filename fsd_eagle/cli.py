@@ -29,7 +29,7 @@ INPUT_FIELDS = ("id", "prompt", "messages", "seed")
 # Settings a line might try to set for itself: refused, rather than silently ignored (other fields are
 # ignored, so that data sets with answers or metadata can be used as they are).
 LINE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "threshold", "divergence", "fuzzy",
-                 "fuzzy_mode", "support_top_k", "chat", "autoregressive", "batch_size")
+                 "fuzzy_mode", "support_top_k", "chat", "autoregressive", "batch_size", "children")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -62,6 +62,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--children", choices=("top", "sampled"), default="top",
+                   help="sampling, exact rule: draft each node's most likely tokens (top) or draw them from the "
+                        "drafter at the temperature (sampled: speculative sampling; more accepted with a chain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--total-tokens", type=int, default=None, help="tree nodes per round, root included")
@@ -105,13 +108,13 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError("--json applies to one prompt (with --input every output line is a JSON object)")
     fuzzy = FuzzyConfig(threshold=parse_threshold(args.threshold), divergence=args.divergence,
                         mode=args.fuzzy_mode, support_top_k=args.support_top_k)
-    SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, children=args.children)
     check_seed(args.seed, "--seed")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,
-                  autoregressive=args.autoregressive)
+                  autoregressive=args.autoregressive, children=args.children)
     start_ranks(args)
     if args.input is not None:
         return run_batch(args, kwargs)

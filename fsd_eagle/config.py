@@ -91,11 +91,15 @@ class SamplingConfig:
     temperature in [1e-6, 1e6].
 
     top_k = 0 and top_p = 1.0 disable those filters; top_p is at least 1e-6.
+    children: which draft tokens the tree offers under sampling with the exact rule: "top" (each node's k
+    most likely, the default) or "sampled" (k drawn without replacement from the draft at the temperature,
+    verified by recursive rejection sampling without replacement; also lossless).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    children: str = "top"
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -111,6 +115,8 @@ class SamplingConfig:
                               f"top_k=1 does), got {p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.children not in ("top", "sampled"):
+            raise ConfigError(f"children must be 'top' or 'sampled', got {self.children!r}")
 
     @property
     def greedy(self) -> bool:

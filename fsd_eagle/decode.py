@@ -177,8 +177,9 @@ def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tr
     caches (and, when sampling, advance the random streams). Returns the packed round (``pack_round``; read
     with RoundResult.unpack)."""
     if drafter is not None:
+        sampled = dict(rng=state.rng, temperature=state.values.temperature) if form.sampled_children else {}
         tree = draft_tree(drafter, state.root_token, state.root_logits, state.root_state, tree_cfg,
-                          with_q=form.fuzzy)
+                          with_q=form.fuzzy, **sampled)
     else:
         tree = root_tree(state.root_token)
     features = target.forward_tree(tree.tokens, tree.depths, tree.anc)

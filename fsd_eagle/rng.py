@@ -104,3 +104,4 @@ class RandomStream:
 # Draw ids of one step (the stream's counter tells the steps apart).
 DRAW_TOKEN = 0  # the target's token after a prefill, or a round's bonus token
 DRAW_ACCEPT = 1  # a round's acceptance tests, one uniform per (tree level, node)
+DRAW_CHILDREN = 16  # sampled children: DRAW_CHILDREN + level, one uniform per (expanded node, draft token)

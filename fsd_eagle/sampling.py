@@ -20,7 +20,9 @@ class RuleForm:
 
     greedy: argmax rules (temperature 0); filtered: top-k or top-p filtering (one sort of each distribution
     that is sampled); fuzzy: the FSD test is active (the draft's distributions are kept and the divergence
-    ``divergence`` computed, ``mode`` hybrid or pure, ``support_top_k``, on ``processed`` distributions).
+    ``divergence`` computed, ``mode`` hybrid or pure, ``support_top_k``, on ``processed`` distributions);
+    sampled_children: the tree's children are drawn from the draft and verified by recursive rejection
+    sampling without replacement (the exact sampling rule only).
     """
 
     greedy: bool = True
@@ -30,6 +32,7 @@ class RuleForm:
     mode: str = "hybrid"
     support_top_k: int = 0
     processed: bool = False
+    sampled_children: bool = False
 
     def exact(self) -> "RuleForm":
         """This form without the fuzzy test (what plain autoregressive decoding needs)."""

@@ -14,6 +14,7 @@ import torch
 
 from .config import TreeConfig
 from .kernels import topk
+from .rng import DRAW_CHILDREN
 
 
 @dataclass
@@ -27,6 +28,9 @@ class DraftTree:
     over every token at each expanded node (its children's distribution q_n; None unless asked for); q_row
     ``[B, n]``: row of q_logits for a node, -1 where the node was never expanded.
     max_depth: static bound on any node's depth (accepted paths have at most max_depth + 1 nodes).
+    r_logits ``[B, R, V_d]``: with sampled children, the draft logits over the draft vocabulary (``r_vocab``'s
+    ids, or every token when None) that each expanded node's children were drawn from (rows as q_row);
+    max_children: the most children a node has (the tree's top_k; set with r_logits).
     """
 
     tokens: torch.Tensor
@@ -37,6 +41,9 @@ class DraftTree:
     q_logits: torch.Tensor | None
     q_row: torch.Tensor
     max_depth: int
+    r_logits: torch.Tensor | None = None
+    r_vocab: torch.Tensor | None = None
+    max_children: int = 0
 
     @property
     def size(self) -> int:
@@ -75,7 +82,8 @@ def root_tree(root_token: torch.Tensor) -> DraftTree:
 
 
 def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Tensor, root_state: torch.Tensor,
-               cfg: TreeConfig, with_q: bool = False) -> DraftTree:
+               cfg: TreeConfig, with_q: bool = False, rng=None, temperature: torch.Tensor | None = None
+               ) -> DraftTree:
     """Grow one EAGLE-2 tree per batch row from the roots' tokens ``[B]``, draft logits ``[B, V_d]`` and
     states ``[B, s]``.
 
@@ -83,10 +91,25 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     scores the top_k x top_k children by cumulative log-prob and keeps the global top_k as the next
     frontier. Finally the ``total_tokens - 1`` best candidates (a connected subtree) become the tree.
     ``with_q``: also return the draft's distributions over every token (q_logits; the fuzzy rule's q_n).
+    ``rng`` (a RandomStream) and ``temperature`` ``[B]``: sampled children instead of the top k: each
+    expanded node's k children are drawn without replacement from its draft distribution at the row's
+    temperature (Gumbel-top-k, keys from the stream's DRAW_CHILDREN draws), in the order drawn; a child's
+    score is capped by its earlier siblings' so that pruning keeps a prefix of the draws (what recursive
+    rejection sampling without replacement needs to stay lossless); the draft logits go with the tree
+    (r_logits) for the verifier.
     """
     k, depth, dev, vocab = cfg.top_k, cfg.depth, root_logits.device, drafter.vocab
     b, s = root_state.shape
-    score, tok = _top_logprobs(root_logits, k, vocab)  # [B, k]
+
+    def children(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if rng is None:
+            return _top_logprobs(logits, k, vocab)
+        rows = logits.shape[0] // b
+        u = rng.uniform((rows, logits.shape[1]), DRAW_CHILDREN + level).flatten(0, 1)
+        temp = temperature.repeat_interleave(rows).unsqueeze(1)
+        return _sampled_children(logits, k, vocab, temp, u)
+
+    score, tok = children(root_logits, 0)  # [B, k]
     cand_tok, cand_score, cand_parent, cand_depth = [tok], [score], [torch.full((b, k), -1, device=dev)], [1]
     q_logits, q_states, q_cands = [root_logits.unsqueeze(1)], [root_state.unsqueeze(1)], []
     frontier = torch.arange(k, device=dev).expand(b, k)  # candidate indices of the frontier
@@ -101,7 +124,7 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
         q_logits.append(logits)
         q_states.append(out_states)
         q_cands.append(frontier)
-        child_score, child_tok = _top_logprobs(logits.flatten(0, 1), k, vocab)  # [B * k, k]
+        child_score, child_tok = children(logits.flatten(0, 1), d)  # [B * k, k]
         cum = (score.unsqueeze(2) + child_score.view(b, k, k)).view(b, k * k)
         child_tok = child_tok.view(b, k * k)
         cand_tok.append(child_tok)
@@ -118,7 +141,10 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     q = None
     if with_q:  # over every token: a draft vocabulary's logits lack the rest, so recompute from the states
         q = torch.cat(q_logits, 1) if vocab is None else drafter.logits(torch.cat(q_states, 1), full=True)
-    return _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q, q_cands, cfg)
+    tree = _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q, q_cands, cfg)
+    if rng is not None:
+        tree.r_logits, tree.r_vocab, tree.max_children = torch.cat(q_logits, 1), vocab, k
+    return tree
 
 
 def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +154,17 @@ def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None) -> t
     logits = logits.float()
     vals, col = topk(logits, k)
     return vals - logits.logsumexp(-1, keepdim=True), (col if vocab is None else vocab[col])
+
+
+def _sampled_children(logits: torch.Tensor, k: int, vocab: torch.Tensor | None, temperature: torch.Tensor,
+                      u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k tokens of each row of draft logits ``[R, V_d]`` drawn without replacement from softmax(logits / T)
+    (the top k of logits / T plus Gumbel noise from the uniforms ``u`` ``[R, V_d]``), in the order drawn,
+    with their log-probs (at temperature 1, as the tree scores nodes) capped by every earlier draw's."""
+    logits = logits.float()
+    _, col = topk(logits / temperature - torch.log(-torch.log(u)), k)
+    logp = logits.gather(1, col) - logits.logsumexp(-1, keepdim=True)
+    return logp.sort(dim=1, descending=True).values, (col if vocab is None else vocab[col])
 
 
 def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg: TreeConfig) -> DraftTree:

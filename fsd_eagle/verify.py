@@ -13,6 +13,7 @@ import torch
 
 from .config import FuzzyConfig, SamplingConfig
 from .divergence import divergence
+from .errors import ConfigError
 from .ops import pick
 from .rng import DRAW_ACCEPT, DRAW_TOKEN, RandomStream
 from .sampling import RuleForm, RuleValues, process_logits, sample
@@ -39,7 +40,11 @@ class AcceptanceRule:
         s, f = self.sampling, self.fuzzy
         filtered = not s.greedy and (s.top_k > 0 or s.top_p < 1.0)
         if not f.active:  # the exact rule: no divergences, whatever their settings
-            return RuleForm(greedy=s.greedy, filtered=filtered)
+            return RuleForm(greedy=s.greedy, filtered=filtered,
+                            sampled_children=not s.greedy and s.children == "sampled")
+        if s.children == "sampled":
+            raise ConfigError("sampled children go with the exact rule only: the fuzzy rule decides on the "
+                              "draft's top child (use children='top' with a threshold)")
         return RuleForm(s.greedy, filtered, True, f.divergence, f.mode, f.support_top_k, f.processed)
 
     def values(self, device: torch.device | str = "cpu") -> RuleValues:
@@ -82,6 +87,9 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, form: RuleForm, va
         fuzzy_ok = torch.zeros(b, n, dtype=torch.bool, device=dev)
     if form.greedy:
         path, n_acc, bonus, exact_len = _accept_greedy(tree, target_logits, fuzzy_ok, form)
+    elif form.sampled_children:
+        path, n_acc, bonus = _accept_sampled_children(tree, target_logits, form, values, rng)
+        exact_len = n_acc
     else:
         path, n_acc, bonus, exact_len = _accept_sampling(tree, target_logits, fuzzy_ok, form, values, rng)
     path_div = div.gather(1, path)
@@ -183,6 +191,62 @@ def _accept_sampling(tree, logits, fuzzy_ok, form, values, rng):
     rejected = (tree.parents == cur.unsqueeze(1)) & not_root
     bonus = sample(p if pure else _remove(p, tree.tokens, rejected), rng, DRAW_TOKEN)
     return root_path(tree, cur), n_acc, bonus, exact_len
+
+
+def _accept_sampled_children(tree, logits, form, values, rng):
+    """Recursive rejection sampling without replacement over sampled children (``draft_tree`` with an rng):
+    walk down from the root; at node c with target distribution p and the draft's r (at the row's
+    temperature, over the draft vocabulary), try c's children in the order they were drawn: child x is
+    accepted with probability min(1, p(x) / r(x)); on rejection p becomes max(p - r, 0) renormalised and r
+    loses x, renormalised. If every child is rejected, the walk ends at c and the bonus is a sample of the last
+    p (at a node without children, of p_c itself). The output is distributed as the target's samples,
+    whatever r is. Random numbers: one uniform per (level, child slot), one race for the bonus."""
+    (b, n), dev, slots = tree.tokens.shape, logits.device, tree.max_children
+    probs = process_logits(logits, form, values).softmax(-1)  # [B, n, V]
+    not_root = torch.arange(n, device=dev) > 0
+    uniforms = rng.uniform((tree.max_depth, slots), DRAW_ACCEPT)  # [B, depth, slots]
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    n_acc = torch.ones(b, dtype=torch.long, device=dev)
+    last_p = pick(probs, cur)  # the bonus distribution of rows whose walk has ended
+    temp = values.temperature.unsqueeze(1)
+    for level in range(tree.max_depth):
+        p = pick(probs, cur)  # [B, V]
+        row = pick(tree.q_row, cur).clamp(min=0)
+        r_d = (pick(tree.r_logits, row).float() / temp).softmax(-1)  # [B, V_d]
+        r = r_d if tree.r_vocab is None else torch.zeros_like(p).scatter(1, tree.r_vocab.expand(b, -1), r_d)
+        children = (tree.parents == cur.unsqueeze(1)) & not_root  # [B, n], in the order drawn
+        rank = torch.cumsum(children.long(), 1) - 1
+        accepted = torch.zeros(b, dtype=torch.bool, device=dev)
+        nxt = cur.clone()
+        for slot in range(slots):
+            is_slot = children & (rank == slot)
+            exists = is_slot.any(1) & alive & ~accepted
+            node = torch.argmax(is_slot.int(), 1)
+            x = pick(tree.tokens, node)
+            px, rx = p.gather(1, x[:, None]).squeeze(1), r.gather(1, x[:, None]).squeeze(1)
+            take = exists & (uniforms[:, level, slot] * rx < px)
+            nxt = torch.where(take, node, nxt)
+            accepted = accepted | take
+            reject = (exists & ~take).unsqueeze(1)
+            p = torch.where(reject, _residual(p, r), p)
+            r_left = r.scatter(1, x[:, None], 0.0)
+            r = torch.where(reject, r_left / r_left.sum(1, keepdim=True).clamp(min=1e-30), r)
+        ended = alive & ~accepted
+        last_p = torch.where(ended.unsqueeze(1), p, last_p)
+        cur = torch.where(alive & accepted, nxt, cur)
+        n_acc = n_acc + (alive & accepted)
+        alive = alive & accepted
+    last_p = torch.where(alive.unsqueeze(1), pick(probs, cur), last_p)  # walked to the bottom: p at the leaf
+    bonus = sample(last_p, rng, DRAW_TOKEN)
+    return root_path(tree, cur), n_acc, bonus
+
+
+def _residual(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """What remains of p ``[B, V]`` after rejecting a draw from r: max(p - r, 0), renormalised (it has mass:
+    p = r would have accepted)."""
+    residual = (p - r).clamp(min=0)
+    return residual / residual.sum(1, keepdim=True).clamp(min=1e-30)
 
 
 def _remove(p: torch.Tensor, tokens: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:

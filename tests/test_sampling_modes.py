@@ -22,6 +22,7 @@ from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import FuzzyConfig, SamplingConfig, TreeConfig
 from fsd_eagle.decode import DecodeStats, RoundResult, compiled_prefill, compiled_round, prefill_bucket, run_round
 from fsd_eagle.engine import Engine
+from fsd_eagle.errors import ConfigError
 from fsd_eagle.rng import DRAW_ACCEPT, RandomStream, mix32
 from fsd_eagle.sampling import RuleForm, RuleValues, process_logits
 from fsd_eagle.schedule import decode
@@ -231,6 +232,63 @@ def test_sampling_is_lossless_in_every_mode(mode, temperature, top_p):
     assert chi_square_pvalue(counts, expected, n) > 1e-3
 
 
+SAMPLED_TREE = TreeConfig(total_tokens=6, depth=2, top_k=3)  # two levels: the walk goes past the first
+
+
+def _keep_residual(monkeypatch):
+    """Sampled children: after a rejection keep p instead of max(p - r, 0) renormalised."""
+    monkeypatch.setattr(verify_module, "_residual", lambda p, r: p)
+
+
+BROKEN_SAMPLED = {"double_acceptance": BROKEN["double_acceptance"], "keep_residual": _keep_residual}
+
+
+@pytest.mark.parametrize("mode", MODES.values())
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_children_are_lossless_in_every_mode(mode, temperature, top_p):
+    """Children drawn from the draft (without replacement) and verified by recursive rejection sampling
+    without replacement: the target's distribution through every execution mode, and (the point of them)
+    accepted more often than the draft's top children when the draft is close to the target."""
+    torch._dynamo.reset()
+    device = "cuda" if mode in ("graph", "compiled_graph") else "cpu"
+    engine, prompt, first, second = stat_setup_on(device)
+    rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p, children="sampled"))
+    assert rule.form.sampled_children
+    session = make_mode_session(mode, engine, SAMPLED_TREE, rule.form)
+    n = 2000
+    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=5)
+    expected = exact_pair_distribution(first.to("cpu"), second.to("cpu"), temperature, top_p)
+    assert chi_square_pvalue(counts, expected, n) > 1e-3
+    if temperature == 1.0 and mode == "eager":
+        top = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
+        _, top_rate = sample_pairs_with(make_mode_session(mode, engine, SAMPLED_TREE, top.form), prompt, top, n, 5)
+        assert accept_rate > top_rate + 0.1, (accept_rate, top_rate)
+
+
+@pytest.mark.parametrize("mode", MODES.values())
+@pytest.mark.parametrize("broken", sorted(BROKEN_SAMPLED))
+def test_the_sampling_test_fails_broken_sampled_children(monkeypatch, mode, broken):
+    BROKEN_SAMPLED[broken](monkeypatch)
+    torch._dynamo.reset()
+    device = "cuda" if mode in ("graph", "compiled_graph") else "cpu"
+    engine, prompt, first, second = stat_setup_on(device)
+    rule = AcceptanceRule(SamplingConfig(temperature=1.0, children="sampled"))
+    session = make_mode_session(mode, engine, SAMPLED_TREE, rule.form)
+    n = 600
+    counts, _ = sample_pairs_with(session, prompt, rule, n, seed=5)
+    torch._dynamo.reset()
+    assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3
+
+
+def test_sampled_children_settings():
+    """children is 'top' or 'sampled'; greedy rules ignore it; the fuzzy rule refuses sampled children."""
+    with pytest.raises(ConfigError, match="children must be 'top' or 'sampled'"):
+        SamplingConfig(temperature=0.7, children="random")
+    assert not AcceptanceRule(SamplingConfig(children="sampled")).form.sampled_children  # greedy
+    with pytest.raises(ConfigError, match="exact rule only"):
+        AcceptanceRule(SamplingConfig(temperature=0.7, children="sampled"), FuzzyConfig(threshold=1.0)).form
+
+
 @pytest.mark.parametrize("mode", MODES.values())
 @pytest.mark.parametrize("broken", sorted(BROKEN))
 def test_the_sampling_test_fails_a_broken_rule_in_every_mode(monkeypatch, mode, broken):
@@ -366,8 +424,9 @@ def test_no_public_call_runs_flex_attention_uncompiled(monkeypatch, tiny_llama):
 @pytest.mark.parametrize("rule", [AcceptanceRule(SamplingConfig(temperature=0.8)),
                                   AcceptanceRule(SamplingConfig(temperature=0.8, top_p=0.9, top_k=5),
                                                  FuzzyConfig(threshold=1.0, divergence="reverse_kl")),
-                                  AcceptanceRule(SamplingConfig(temperature=0.8), FuzzyConfig(threshold=1.0, mode="pure"))],
-                         ids=["exact", "filtered_fuzzy", "pure"])
+                                  AcceptanceRule(SamplingConfig(temperature=0.8), FuzzyConfig(threshold=1.0, mode="pure")),
+                                  AcceptanceRule(SamplingConfig(temperature=0.8, top_p=0.9, children="sampled"))],
+                         ids=["exact", "filtered_fuzzy", "pure", "sampled_children"])
 def test_a_sampling_round_is_one_graph_for_dynamo(tiny_llama, rule):
     """No graph break in a sampling round (random numbers, filters, fuzzy rules): one compiled graph."""
     torch._dynamo.reset()
@@ -381,8 +440,9 @@ def test_a_sampling_round_is_one_graph_for_dynamo(tiny_llama, rule):
 
 @needs_cuda
 @pytest.mark.parametrize("rule", [AcceptanceRule(SamplingConfig(temperature=0.8, top_p=0.9)),
-                                  AcceptanceRule(SamplingConfig(temperature=0.8), FuzzyConfig(threshold=1.0))],
-                         ids=["exact", "fuzzy"])
+                                  AcceptanceRule(SamplingConfig(temperature=0.8), FuzzyConfig(threshold=1.0)),
+                                  AcceptanceRule(SamplingConfig(temperature=0.8, children="sampled"))],
+                         ids=["exact", "fuzzy", "sampled_children"])
 def test_a_sampling_round_has_no_host_sync(tiny_llama, rule):
     model = copy.deepcopy(tiny_llama)
     draft = noisy_copy(model, 0.1).cuda()
@@ -422,3 +482,20 @@ def test_compiled_sampling_rounds_equal_eager_ones(tiny_llama, freeze, request):
     assert torch.equal(results[0][:, others], results[1][:, others])  # tokens, accepted lengths, counts
     torch.testing.assert_close(results[0][:, div_sum], results[1][:, div_sum], rtol=1e-5, atol=1e-6)  # fused sums
     assert (results[0][:, 0] > 1).any()
+
+
+def test_sampled_children_through_the_api_and_a_seed(tiny_llama):
+    """generate(children="sampled"): a draft model's chain drafts samples; one seed gives the same tokens
+    every call, another seed other tokens; a greedy call ignores the setting; a bad value is one line."""
+    model = copy.deepcopy(tiny_llama)
+    gen = SpeculativeGenerator(model, _Tok(), draft_model=noisy_copy(model, 0.1), tree=TreeConfig(5, 4, 1))
+    gen.configure(cuda_graphs=False, compile=False)
+    prompt = [3, 9, 27, 4]
+    run = lambda seed, children="sampled": gen.generate(prompt, 24, temperature=0.9, seed=seed, chat=False,  # noqa: E731
+                                                        children=children).token_ids
+    assert run(7) == run(7) and run(7) != run(8)
+    assert len(run(7)) > 4
+    greedy = gen.generate(prompt, 12, chat=False, children="sampled").token_ids
+    assert greedy == gen.generate(prompt, 12, chat=False, autoregressive=True).token_ids
+    with pytest.raises(ConfigError, match="children must be"):
+        gen.generate(prompt, 4, temperature=0.9, chat=False, children="all")
