@@ -93,10 +93,10 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     ``with_q``: also return the draft's distributions over every token (q_logits; the fuzzy rule's q_n).
     ``rng`` (a RandomStream) and ``temperature`` ``[B]``: sampled children instead of the top k: each
     expanded node's k children are drawn without replacement from its draft distribution at the row's
-    temperature (Gumbel-top-k, keys from the stream's DRAW_CHILDREN draws), in the order drawn; a child's
-    score is capped by its earlier siblings' so that pruning keeps a prefix of the draws (what recursive
-    rejection sampling without replacement needs to stay lossless); the draft logits go with the tree
-    (r_logits) for the verifier.
+    temperature (Gumbel-top-k, keys from the stream's DRAW_CHILDREN draws), in the order drawn; the draws
+    get, in that order, the sorted log-probs of the drawn set, so that pruning keeps a prefix of the draws
+    (what recursive rejection sampling without replacement needs to stay lossless) while a node's budget
+    follows the quality of all its draws; the draft logits go with the tree (r_logits) for the verifier.
     """
     k, depth, dev, vocab = cfg.top_k, cfg.depth, root_logits.device, drafter.vocab
     b, s = root_state.shape
@@ -160,7 +160,8 @@ def _sampled_children(logits: torch.Tensor, k: int, vocab: torch.Tensor | None, 
                       u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k tokens of each row of draft logits ``[R, V_d]`` drawn without replacement from softmax(logits / T)
     (the top k of logits / T plus Gumbel noise from the uniforms ``u`` ``[R, V_d]``), in the order drawn,
-    with their log-probs (at temperature 1, as the tree scores nodes) capped by every earlier draw's."""
+    and scores for them: the drawn set's log-probs (at temperature 1, as the tree scores nodes) sorted in
+    descending order, so that the i-th draw never outranks an earlier one."""
     logits = logits.float()
     _, col = topk(logits / temperature - torch.log(-torch.log(u)), k)
     logp = logits.gather(1, col) - logits.logsumexp(-1, keepdim=True)
