@@ -87,7 +87,7 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, form: RuleForm, va
         fuzzy_ok = torch.zeros(b, n, dtype=torch.bool, device=dev)
     if form.greedy:
         path, n_acc, bonus, exact_len = _accept_greedy(tree, target_logits, fuzzy_ok, form)
-    elif form.sampled_children:
+    elif form.sampled_children and tree.r_logits is not None:  # (plain decoding has no children to sample)
         path, n_acc, bonus = _accept_sampled_children(tree, target_logits, form, values, rng)
         exact_len = n_acc
     else:

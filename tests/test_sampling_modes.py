@@ -497,5 +497,8 @@ def test_sampled_children_through_the_api_and_a_seed(tiny_llama):
     assert len(run(7)) > 4
     greedy = gen.generate(prompt, 12, chat=False, children="sampled").token_ids
     assert greedy == gen.generate(prompt, 12, chat=False, autoregressive=True).token_ids
+    # plain decoding has no children: the setting changes nothing there
+    plain = dict(temperature=0.9, seed=3, chat=False, autoregressive=True)
+    assert gen.generate(prompt, 12, children="sampled", **plain).token_ids == gen.generate(prompt, 12, **plain).token_ids
     with pytest.raises(ConfigError, match="children must be"):
         gen.generate(prompt, 4, temperature=0.9, chat=False, children="all")
