@@ -272,11 +272,12 @@ def stat_setup():
     return Engine(model, None, draft_model=noisy(model, 0.2)), prompt, first, second
 
 
-def per_row_samples(n: int, rows: int, seed: int) -> dict[int, Counter]:
+def per_row_samples(n: int, rows: int, seed: int, children: str = "top") -> dict[int, Counter]:
     eng, prompt, _, _ = stat_setup()
-    rule = AcceptanceRule(SamplingConfig(temperature=1.0))
+    rule = AcceptanceRule(SamplingConfig(temperature=1.0, children=children))
     requests = [Request(prompt, 2, rule, seed=seed * n + i) for i in range(n)]
-    out, scheduler = batched(eng, Plan(STAT_TREE, rule.form, batch=rows), requests)
+    tree = STAT_TREE if children == "top" else TreeConfig(total_tokens=6, depth=2, top_k=3)
+    out, scheduler = batched(eng, Plan(tree, rule.form, batch=rows), requests)
     counts: dict[int, Counter] = defaultdict(Counter)
     for i, tokens in enumerate(out):
         counts[scheduler.row_of[i]][tuple(tokens)] += 1
@@ -289,8 +290,9 @@ def exact_pairs() -> dict:
     return {(a, b): float(p1[a] * p2[a, b]) for a in range(STAT_VOCAB) for b in range(STAT_VOCAB)}
 
 
-def test_sampling_is_lossless_in_every_row_of_a_batch():
-    counts = per_row_samples(1600, 4, seed=0)
+@pytest.mark.parametrize("children", ["top", "sampled"])
+def test_sampling_is_lossless_in_every_row_of_a_batch(children):
+    counts = per_row_samples(1600, 4, seed=0, children=children)
     assert len(counts) == 4
     for row, c in counts.items():
         total = sum(c.values())
