@@ -7,7 +7,7 @@ depth, and within a depth by descending score, so every parent precedes its chil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -142,9 +142,9 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     if with_q:  # over every token: a draft vocabulary's logits lack the rest, so recompute from the states
         q = torch.cat(q_logits, 1) if vocab is None else drafter.logits(torch.cat(q_states, 1), full=True)
     tree = _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q, q_cands, cfg)
-    if rng is not None:
-        tree.r_logits, tree.r_vocab, tree.max_children = torch.cat(q_logits, 1), vocab, k
-    return tree
+    if rng is None:
+        return tree
+    return replace(tree, r_logits=torch.cat(q_logits, 1), r_vocab=vocab, max_children=k)
 
 
 def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

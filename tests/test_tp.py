@@ -50,6 +50,8 @@ def decode_all(folder: Path, head: Path, tp_size: int, device: str = "cpu") -> d
         # and sees the same gathered logits, so it samples what the unsharded target samples (whose
         # distribution the chi-square tests check).
         out[f"{name}_sampled"] = gen.generate(PROMPTS[1], NEW_TOKENS, temperature=0.9, seed=3, chat=False).token_ids
+        out[f"{name}_sampled_children"] = gen.generate(PROMPTS[1], NEW_TOKENS, temperature=0.9, seed=3, chat=False,
+                                                       children="sampled").token_ids
     return out
 
 
@@ -173,7 +175,8 @@ def test_two_ranks_decode_what_one_decodes(folders, allreduce):
         assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
         for arch in ARCHS:
             ref, tp = reference[arch], got[arch]
-            for case in ("ar", "head", "draft_model", "batch", "head_sampled", "draft_model_sampled"):
+            for case in ("ar", "head", "draft_model", "batch", "head_sampled", "draft_model_sampled",
+                         "head_sampled_children", "draft_model_sampled_children"):
                 assert tp[case] == ref[case], f"{arch} {case} rank {rank}: {tp[case]} != {ref[case]}"
             assert len(ref["ar"]) == NEW_TOKENS
             assert tp["draft_model_tau"] == ref["draft_model_tau"] > 2  # long accepted paths were committed
