@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples every question with --seed (EAGLE-2 stays lossless)")
+    p.add_argument("--children", default="top", choices=("top", "sampled"),
+                   help="with --temperature: draft each node's most likely tokens (top, default) or draw them "
+                        "from the drafter at the temperature (sampled: speculative sampling)")
+    p.add_argument("--shard", metavar="K/N",
+                   help="only questions K, K+N, K+2N, ... of each task (N processes share one --out; each "
+                        "writes its own files; render with `table` once all have finished)")
     p.add_argument("--fuzzy-mode", default="hybrid", choices=("hybrid", "pure"))
     p.add_argument("--total-tokens", type=int, help="tree nodes per round (default: the target's preset)")
     p.add_argument("--depth", type=int, help="tree depth (default: the target's preset)")
@@ -107,7 +113,7 @@ def _command_line(argv: list[str]) -> str:
 
 
 def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
-    from .sweep import parse_limits, parse_max_new_tokens, parse_thresholds, run_sweep
+    from .sweep import parse_limits, parse_max_new_tokens, parse_shard, parse_thresholds, run_sweep
 
     tree = {k: v for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k))
             if v is not None}
@@ -117,8 +123,11 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
               max_new_tokens=parse_max_new_tokens(a.max_new_tokens), seed=a.seed, fuzzy_mode=a.fuzzy_mode,
               tree=tree or None, humaneval_timeout_s=a.humaneval_timeout, command=_command_line(argv),
               progress=not a.no_progress, threads=a.threads, batch_size=a.batch_size,
-              temperature=a.temperature)
-    print((Path(a.out) / "results.md").read_text())
+              temperature=a.temperature, children=a.children, shard=parse_shard(a.shard))
+    if a.shard:
+        print(f"shard {a.shard} finished; render the sweep with: {_prog()} table --out {shlex.quote(a.out)}")
+    else:
+        print((Path(a.out) / "results.md").read_text())
     return 0
 
 

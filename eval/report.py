@@ -176,15 +176,18 @@ def _set_speedups(rows: list[dict], source: str) -> None:
 _SPEED_NAME = re.compile(r"^(?:(?P<plain>ar|eagle2)|fsd_(?P<div>[a-z_]+?)_T(?P<t>[^_]+))(?:_(?P<variant>compiled|graph|eager))?$")
 
 
-def _speed_key(row: dict, temperature: float = 0.0) -> tuple[str, int] | None:
+def _speed_key(row: dict, temperature: float = 0.0, children: str = "top") -> tuple[str, int] | None:
     """(config key, preference) of a speed row, or None for a row that is no sweep config (``hf_generate``).
     Rows are ours (``method`` ar / eagle2 / fsd with ``divergence``, ``threshold`` and ``backend``, or
     ``config``) or older eval/speed.py names: ``ar_graph``, ``eagle2_eager``, ``fsd_kl_T1.0_compiled``; the
     fastest backend is preferred: compiled, then CUDA graph, then eager. Rows of another temperature than the
-    sweep's (``temperature``; 0 = greedy) are skipped: their speed is no measure of its configs."""
+    sweep's (``temperature``; 0 = greedy), or with other draft children (``children``: top or sampled, for
+    drafting rows at temperature > 0), are skipped: their speed is no measure of its configs."""
     if row.get("config"):
         return str(row["config"]), 0
     if float(row.get("temperature") or 0.0) != float(temperature):
+        return None
+    if temperature and row.get("method") != "ar" and row.get("children", "top") != children:
         return None
     method = str(row.get("method", ""))
     if method in ("ar", "eagle2", "fsd"):
@@ -204,7 +207,8 @@ def _speed_key(row: dict, temperature: float = 0.0) -> tuple[str, int] | None:
     return Config("fsd", m["div"], threshold).key, rank
 
 
-def merge_speed(rows: list[dict], speed: dict | list, source: str, temperature: float = 0.0) -> int:
+def merge_speed(rows: list[dict], speed: dict | list, source: str, temperature: float = 0.0,
+                children: str = "top") -> int:
     """Replace the rows' speed figures by those of a single-process speed run (see the module docstring);
     returns the number of rows merged. Rows the speed run does not cover keep the sweep's figures (the
     markdown table says which rows come from where); only speed rows at the sweep's ``temperature`` count."""
@@ -219,7 +223,7 @@ def merge_speed(rows: list[dict], speed: dict | list, source: str, temperature: 
     for s in speed_rows:
         if not isinstance(s, dict) or ("method" not in s and "config" not in s):
             raise InputError(f"speed rows need 'method' (or 'config'); got {s!r:.80}")
-        key = _speed_key(s, temperature)
+        key = _speed_key(s, temperature, children)
         if key is not None and (key[0] not in by_key or key[1] < by_key[key[0]][0]):
             by_key[key[0]] = (key[1], s)
     merged = 0
@@ -282,8 +286,9 @@ def build_results(out: Path | str, speed: Path | str | None = None) -> dict:
             data = json.loads(speed_path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise InputError(f"cannot read the speed file {speed_path}: {e}") from None
+        settings = meta.get("settings", {})
         n = merge_speed(rows, data, f"single-process speed run ({speed_path.name})",
-                        float(meta.get("settings", {}).get("temperature") or 0.0))
+                        float(settings.get("temperature") or 0.0), settings.get("children", "top"))
         meta["speed_file"] = str(speed_path)
         meta["speed_rows_merged"] = n
     return {"meta": meta, "rows": rows}
@@ -342,8 +347,9 @@ def render_markdown(results: dict) -> str:
     else:  # some rows from a merged speed run, others from the sweep: the column "speed" says which
         lines += [f"- speed [{i}] (tok/s, speedup): {src}" for i, src in enumerate(sources, 1)]
     temperature = settings.get("temperature")
-    decoding = (f"sampling at temperature {temperature:g} (seed {meta.get('seed', '?')} for every question)"
-                if temperature else "greedy decoding")
+    decoding = (f"sampling at temperature {temperature:g} (seed {meta.get('seed', '?')} for every question"
+                + ("; draft tokens sampled from the drafter" if settings.get("children") == "sampled" else "")
+                + ")" if temperature else "greedy decoding")
     lines.append(f"- {decoding}; accuracy in % ± binomial standard error; agreement = token agreement "
                  "with the AR output of the same question; NLL = the target's mean NLL per generated token (nats)")
     lines.append("")

@@ -380,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
                         "measured at each, in this order")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling rows (temperature > 0)")
     p.add_argument("--children", default="top",
-                   help="comma-separated: the exact sampling rows (eagle2 at temperature > 0) with the tree's top "
-                        "children and/or children sampled from the drafter (top,sampled); rows of 'sampled' are "
-                        "named ..._sampled")
+                   help="comma-separated: the drafting rows at temperature > 0 (eagle2 and fsd) with the tree's "
+                        "top children and/or children sampled from the drafter (top,sampled); rows of 'sampled' "
+                        "are named ..._sampled")
     p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
     add_tree_arguments(p)
     p.add_argument("--trees", help="drafting rows with each of these trees (total/depth/top_k[/v<draft_vocab>], "
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 tree = gen.set_tree(run_tree.total_tokens, run_tree.depth, run_tree.top_k, run_tree.draft_vocab)
             for method, div, threshold, kwargs in methods_here:
                 for temperature, children in ((t, c) for t in temperatures
-                                              for c in (children_kinds if t and method == "eagle2" else ["top"])):
+                                              for c in (children_kinds if t and method != "ar" else ["top"])):
                     sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
                     seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
                     row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs,

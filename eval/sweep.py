@@ -31,6 +31,12 @@ draft vocabulary included, so a batch preset cannot change it), so B is kept in 
 processes: ``workers`` > 1 with B > 1 is refused. A prompt's decoding time in a batch is no single-prompt speed:
 batched records carry ``batch_size``, ``elapsed_s`` None and the per-prompt time in its batch as
 ``batch_elapsed_s``; the report leaves them out of tokens/s (tau, accuracy and fidelity count them all).
+
+``shard`` (K, N) (``--shard K/N``) runs only the questions at positions K, K + N, K + 2N, ... of each task,
+so that N processes (on one or several GPUs) share a sweep: each appends to files of its own,
+``OUT/raw/<config>/<task>.K-of-N.jsonl``, and reads the others' without changing them; every reader (a
+resume, the report) takes all of a config's files. A shard renders no report (``python -m eval table`` does,
+once every shard has finished).
 """
 
 from __future__ import annotations
@@ -229,21 +235,31 @@ def score(task: str, payload: dict, text: str, humaneval_timeout_s: float = HUMA
 
 
 class ResultStore:
-    """Per-question JSON lines under ``OUT/raw/<config key>/<task>.jsonl``, appended as jobs complete.
-    Archived records compressed as ``<task>.jsonl.gz`` (what ``eval/results/`` keeps) are read as well, so
-    an archived sweep is reported, and resumed, without unpacking it; new records go to ``.jsonl``."""
+    """Per-question JSON lines under ``OUT/raw/<config key>/<task>.jsonl``, appended as jobs complete (a
+    shard K of N: ``<task>.K-of-N.jsonl``). Every file of a config and task is read: the shards' and
+    archived records compressed as ``<task>.jsonl.gz`` (what ``eval/results/`` keeps), so an archived or
+    sharded sweep is reported, and resumed, as one; new records go to this store's own ``.jsonl``."""
 
-    def __init__(self, out: Path | str) -> None:
+    def __init__(self, out: Path | str, shard: tuple[int, int] | None = None) -> None:
         self.out = Path(out)
         self.raw = self.out / "raw"
+        self.suffix = ".jsonl" if shard is None else f".{shard[0]}-of-{shard[1]}.jsonl"
         self._files: dict[Path, object] = {}
 
     def path(self, key: str, task: str) -> Path:
-        return self.raw / key / f"{task}.jsonl"
+        """The file this store appends to."""
+        return self.raw / key / f"{task}{self.suffix}"
+
+    def files(self, key: str, task: str) -> list[Path]:
+        """Every record file of a config and task (this store's, other shards', archives)."""
+        folder = self.raw / key
+        paths = sorted(folder.glob(f"{task}.jsonl*")) + sorted(folder.glob(f"{task}.*-of-*.jsonl*"))
+        return [p for p in paths if p.suffix in (".jsonl", ".gz")]
 
     def read(self, path: Path) -> list[dict]:
-        """Records of one file. A line cut off by a kill (no final newline, or not JSON) is dropped, and the
-        file is rewritten without it so that later appends start on a fresh line."""
+        """Records of one file. A line cut off by a kill (no final newline, or not JSON) is dropped; in this
+        store's own file it is also removed, so that later appends start on a fresh line (another shard's
+        file may be growing while it is read: it is never rewritten here)."""
         if not path.is_file():
             return []
         if path.suffix == ".gz":  # an archive: read only, never rewritten
@@ -267,16 +283,14 @@ class ResultStore:
                 records.append(obj)
             else:
                 bad = True
-        if bad:
+        if bad and path.name == path.name.split(".")[0] + self.suffix:  # this store's own file
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
             os.replace(tmp, path)
         return records
 
     def done(self, key: str, task: str) -> set[str]:
-        path = self.path(key, task)
-        archived = path.with_name(path.name + ".gz")
-        return {str(r["qid"]) for r in self.read(path) + self.read(archived)}
+        return {str(r["qid"]) for path in self.files(key, task) for r in self.read(path)}
 
     def records(self) -> list[dict]:
         """Every stored record, all configs and tasks (one per (config, task, question): the first wins)."""
@@ -285,7 +299,7 @@ class ResultStore:
             return out
         paths = sorted(self.raw.glob("*/*.jsonl")) + sorted(self.raw.glob("*/*.jsonl.gz"))
         for path in paths:
-            task = path.name.removesuffix(".gz").removesuffix(".jsonl")
+            task = path.name.split(".")[0]
             for r in self.read(path):
                 ident = (path.parent.name, task, str(r["qid"]))
                 if ident not in seen:
@@ -354,14 +368,14 @@ def _init_worker(opts: dict) -> None:
             if batch > 1:  # a batch decodes on a session (and graphs) of its own
                 gen.generate(["Hello"] * batch, 4, batch_size=batch, **kwargs)
 
-        temperature = opts.get("temperature", 0.0)
+        temperature, children = opts.get("temperature", 0.0), opts.get("children", "top")
         warm(autoregressive=True, temperature=temperature)
         if gen.drafter is not None:
-            warm(temperature=temperature)
+            warm(temperature=temperature, children=children)
             if gen.target.device.type == "cuda":
                 for cfg in opts["configs"]:
                     if cfg["method"] == "fsd":
-                        warm(fuzzy=_fuzzy(cfg, opts), temperature=temperature)
+                        warm(fuzzy=_fuzzy(cfg, opts), temperature=temperature, children=children)
     _STATE.clear()
     _STATE.update(gen=gen, opts=opts)
 
@@ -376,7 +390,7 @@ def _fuzzy(cfg: dict, opts: dict):
 def _decode_args(cfg: dict, opts: dict) -> dict:
     """generate / generate_many arguments of one config."""
     return {"temperature": opts.get("temperature", 0.0), "fuzzy": _fuzzy(cfg, opts) if cfg["method"] == "fsd" else None,
-            "seed": opts["seed"], "autoregressive": cfg["method"] == "ar"}
+            "seed": opts["seed"], "autoregressive": cfg["method"] == "ar", "children": opts.get("children", "top")}
 
 
 def _job_record(job: dict) -> dict:
@@ -573,7 +587,7 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = DEFAULT_TASKS, methods: Se
               tree: dict | None = None, humaneval_timeout_s: float = HUMANEVAL_TIMEOUT_S,
               command: str | None = None, progress: bool = True, data_dir: Path | str = _tasks.DATA_DIR,
               report: bool = True, threads: int | None = None, batch_size: int = 1,
-              temperature: float = 0.0) -> dict:
+              temperature: float = 0.0, children: str = "top", shard: tuple[int, int] | None = None) -> dict:
     """Run (or continue) a sweep into ``out``; returns the results dict also written to OUT/results.json.
 
     ``batch_size`` > 1 decodes up to that many questions of one config and task together (one process; see
@@ -583,12 +597,25 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = DEFAULT_TASKS, methods: Se
     otherwise the CPU cores shared among the workers on CPU, 1 per worker on GPU).
 
     ``temperature`` > 0 samples (every question with ``seed``; lossless for eagle2) instead of decoding
-    greedily; it is kept in settings.json (only when not 0, so older greedy folders still resume)."""
+    greedily; it is kept in settings.json (only when not 0, so older greedy folders still resume), and so is
+    ``children`` "sampled" (draft tokens drawn from the drafter at the temperature; "top": its most likely).
+
+    ``shard`` (K, N): only questions K, K + N, ... of each task, into files of this shard's own, and no
+    report (see the module docstring)."""
     from fsd_eagle.models import resolve_device, resolve_dtype
 
     check_parallelism(workers, batch_size)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
         raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if children not in ("top", "sampled"):
+        raise ConfigError(f"children must be 'top' or 'sampled', got {children!r}")
+    if children == "sampled" and not temperature:
+        raise ConfigError("sampled children need a temperature > 0 (greedy decoding drafts the top tokens)")
+    if shard is not None:
+        k, n = shard
+        if not (isinstance(k, int) and isinstance(n, int) and n >= 1 and 0 <= k < n):
+            raise ConfigError(f"shard must be K/N with 0 <= K < N, got {k}/{n}")
+        report = False
     configs = build_configs(methods, divergences, thresholds)
     tasks = list(dict.fromkeys(tasks))
     for t in tasks:
@@ -602,13 +629,14 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = DEFAULT_TASKS, methods: Se
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     out = Path(out)
-    store = ResultStore(out)
+    store = ResultStore(out, shard)
     settings = {"target": str(target) if target else "default", "head": str(head) if head else "default",
                 **({"draft_model": str(draft_model)} if draft_model else {}),
                 "dtype": str(dt).replace("torch.", ""), "tree": resolve_tree(target, dev.type, tree),
                 "fuzzy_mode": fuzzy_mode,
                 "max_new_tokens": {t: limits[t] for t in TASKS if t in DEFAULT_TASKS or t in tasks}, "seed": seed,
-                **({"temperature": float(temperature)} if temperature else {})}
+                **({"temperature": float(temperature)} if temperature else {}),
+                **({"children": children} if children != "top" else {})}
     store.check_settings(settings)
 
     questions = {t: load_questions(t, limit_of.get(t), data_dir) for t in tasks}
@@ -616,24 +644,27 @@ def run_sweep(out: Path | str, tasks: Sequence[str] = DEFAULT_TASKS, methods: Se
     jobs, total = [], 0
     for t in tasks:
         for position, q in enumerate(questions[t]):
+            if shard is not None and position % shard[1] != shard[0]:
+                continue
             for c in configs:
                 total += 1
                 if q.qid in done[(c.key, t)]:
                     continue
                 jobs.append({"config": c.to_json(), "key": c.key, "task": t, "qid": q.qid, "prompt": q.prompt,
-                             "payload": q.payload, "max_new_tokens": limits[t], "position": position})
+                             "payload": q.payload, "max_new_tokens": limits[t],
+                             "position": position if shard is None else position // shard[1]})
     cpu = os.cpu_count() or 1
     opts = {"target": str(target) if target else None, "head": str(head) if head else None,
             "draft_model": str(draft_model) if draft_model else None, "device": device,
             "dtype": dtype, "seed": seed, "fuzzy_mode": fuzzy_mode, "tree": settings["tree"],
             "configs": [c.to_json() for c in configs], "humaneval_timeout_s": humaneval_timeout_s,
-            "batch_size": batch_size, "temperature": float(temperature),
+            "batch_size": batch_size, "temperature": float(temperature), "children": children,
             "threads": threads if threads else (None if workers == 1 else
                                                  max(1, cpu // workers) if dev.type == "cpu" else 1)}
     meta = run_metadata(seed, command, device, workers, batch_size)
     meta.update(settings=settings, tasks=tasks, limit={t: limit_of.get(t) for t in tasks},
                 configs=[c.key for c in configs], threads=opts["threads"], jobs_total=total,
-                jobs_skipped=total - len(jobs))
+                jobs_skipped=total - len(jobs), **({"shard": f"{shard[0]}/{shard[1]}"} if shard else {}))
     if "humaneval" in tasks:  # what contained the candidate programs on this machine
         from .humaneval_exec import protections
         meta["humaneval_sandbox"] = protections()
@@ -712,6 +743,16 @@ def _parse_task_ints(items: Iterable[str] | None, flag: str, minimum: int) -> di
 def parse_max_new_tokens(items: Iterable[str] | None) -> dict[str, int]:
     """``["256"]`` (every task) or ``["gsm8k=256", "mmlu=16"]`` -> {task: n}; later items win."""
     return _parse_task_ints(items, "--max-new-tokens", 1)
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """``--shard K/N`` as (K, N), 0 <= K < N; None for no shard."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if m is None or not int(m[1]) < int(m[2]):
+        raise InputError(f"--shard must be K/N with 0 <= K < N, got {text!r}")
+    return int(m[1]), int(m[2])
 
 
 def parse_limits(items: Iterable[str] | None) -> dict[str, int]:

@@ -354,9 +354,10 @@ class SpeculativeGenerator:
         temperature 0 is greedy; otherwise top_p / top_k filter the target's distribution. ``fuzzy`` sets
         the FSD rule (default: exact). Generation stops at EOS, at any ``stop`` string (excluded from the
         text) or at max_new_tokens. ``autoregressive`` decodes without a drafter (the baseline).
-        ``children`` (sampling with the exact rule): "top" drafts each node's most likely tokens, "sampled"
-        draws them from the drafter at the temperature (speculative sampling; for chains of a draft model,
-        top_k 1, it accepts more); both give the target's distribution.
+        ``children`` (sampling): "top" drafts each node's most likely tokens, "sampled" draws them from the
+        drafter at the temperature (speculative sampling; for chains of a draft model, top_k 1, it accepts
+        more); with the exact rule both give the target's distribution; with ``fuzzy`` the first child
+        drawn is the one the fuzzy test may accept.
 
         One call runs at a time (the KV caches and round state are the generator's): a call from another
         thread waits for the running one; a call while this thread's own ``stream`` iterator is unfinished

@@ -63,8 +63,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--children", choices=("top", "sampled"), default="top",
-                   help="sampling, exact rule: draft each node's most likely tokens (top) or draw them from the "
-                        "drafter at the temperature (sampled: speculative sampling; more accepted with a chain)")
+                   help="sampling: draft each node's most likely tokens (top) or draw them from the drafter at "
+                        "the temperature (sampled: speculative sampling; more accepted with a chain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--total-tokens", type=int, default=None, help="tree nodes per round, root included")

@@ -91,9 +91,10 @@ class SamplingConfig:
     temperature in [1e-6, 1e6].
 
     top_k = 0 and top_p = 1.0 disable those filters; top_p is at least 1e-6.
-    children: which draft tokens the tree offers under sampling with the exact rule: "top" (each node's k
-    most likely, the default) or "sampled" (k drawn without replacement from the draft at the temperature,
-    verified by recursive rejection sampling without replacement; also lossless).
+    children: which draft tokens the tree offers under sampling: "top" (each node's k most likely, the
+    default) or "sampled" (k drawn without replacement from the draft at the temperature, verified by
+    recursive rejection sampling without replacement; also lossless; under FSD the first child drawn, a
+    sample of the draft, is the one the fuzzy test may accept).
     """
 
     temperature: float = 0.0

@@ -81,10 +81,11 @@ def id_key(value) -> str:
 
 def write_text_atomic(path: Path | str, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and ``os.replace``:
-    readers, and a run that resumes from the file, see the old content or the new, never a partial write."""
+    readers, and a run that resumes from the file, see the old content or the new, never a partial write
+    (the temporary file is the process's own: processes writing the same file at once do not collide)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)

@@ -13,7 +13,6 @@ import torch
 
 from .config import FuzzyConfig, SamplingConfig
 from .divergence import divergence
-from .errors import ConfigError
 from .ops import pick
 from .rng import DRAW_ACCEPT, DRAW_TOKEN, RandomStream
 from .sampling import RuleForm, RuleValues, process_logits, sample
@@ -25,9 +24,11 @@ class AcceptanceRule:
     """Which draft tokens the target accepts: its sampling settings plus the fuzzy rule (off by default).
 
     Greedy + exact: a child is accepted iff it is the argmax of p at its parent (EAGLE-2).
-    Sampling + exact: EAGLE-2's recursive rejection over the (deterministic) draft's children.
-    Fuzzy hybrid: the exact rule, or else the draft's top child when D(p_n, q_n) <= T.
-    Fuzzy pure: the draft's top child iff D(p_n, q_n) <= T.
+    Sampling + exact: EAGLE-2's recursive rejection over the (deterministic) draft's children, or, with
+    sampled children, recursive rejection sampling without replacement over children drawn from the draft.
+    Fuzzy hybrid: the exact rule, or else the draft's top child when D(p_n, q_n) <= T (with sampled
+    children: the first child drawn, a sample of q_n, as in the paper's speculative sampling).
+    Fuzzy pure: the draft's top (first drawn) child iff D(p_n, q_n) <= T.
     """
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -39,13 +40,11 @@ class AcceptanceRule:
         round serves every temperature, top-p, top-k and threshold of a form."""
         s, f = self.sampling, self.fuzzy
         filtered = not s.greedy and (s.top_k > 0 or s.top_p < 1.0)
+        sampled_children = not s.greedy and s.children == "sampled"
         if not f.active:  # the exact rule: no divergences, whatever their settings
-            return RuleForm(greedy=s.greedy, filtered=filtered,
-                            sampled_children=not s.greedy and s.children == "sampled")
-        if s.children == "sampled":
-            raise ConfigError("sampled children go with the exact rule only: the fuzzy rule decides on the "
-                              "draft's top child (use children='top' with a threshold)")
-        return RuleForm(s.greedy, filtered, True, f.divergence, f.mode, f.support_top_k, f.processed)
+            return RuleForm(greedy=s.greedy, filtered=filtered, sampled_children=sampled_children)
+        return RuleForm(s.greedy, filtered, True, f.divergence, f.mode, f.support_top_k, f.processed,
+                        sampled_children)
 
     def values(self, device: torch.device | str = "cpu") -> RuleValues:
         """The rule's numbers as device tensors (see RuleValues)."""
@@ -88,8 +87,7 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, form: RuleForm, va
     if form.greedy:
         path, n_acc, bonus, exact_len = _accept_greedy(tree, target_logits, fuzzy_ok, form)
     elif form.sampled_children and tree.r_logits is not None:  # (plain decoding has no children to sample)
-        path, n_acc, bonus = _accept_sampled_children(tree, target_logits, form, values, rng)
-        exact_len = n_acc
+        path, n_acc, bonus, exact_len = _accept_sampled_children(tree, target_logits, fuzzy_ok, form, values, rng)
     else:
         path, n_acc, bonus, exact_len = _accept_sampling(tree, target_logits, fuzzy_ok, form, values, rng)
     path_div = div.gather(1, path)
@@ -193,35 +191,43 @@ def _accept_sampling(tree, logits, fuzzy_ok, form, values, rng):
     return root_path(tree, cur), n_acc, bonus, exact_len
 
 
-def _accept_sampled_children(tree, logits, form, values, rng):
+def _accept_sampled_children(tree, logits, fuzzy_ok, form, values, rng):
     """Recursive rejection sampling without replacement over sampled children (``draft_tree`` with an rng):
     walk down from the root; at node c with target distribution p and the draft's r (at the row's
     temperature, over the draft vocabulary), try c's children in the order they were drawn: child x is
     accepted with probability min(1, p(x) / r(x)); on rejection p becomes max(p - r, 0) renormalised and r
-    loses x, renormalised. If every child is rejected, the walk ends at c and the bonus is a sample of the last
-    p (at a node without children, of p_c itself). The output is distributed as the target's samples,
-    whatever r is. Random numbers: one uniform per (level, child slot), one race for the bonus."""
+    loses x, renormalised. If every child is rejected, the fuzzy rule may still take the first child drawn
+    (``fuzzy_ok`` ``[B, n]``: D(p_c, q_c) <= T at its parent; hybrid mode), else the walk ends at c and the
+    bonus is a sample of the last p (at a node without children, of p_c itself). Pure mode takes the first
+    child iff it is fuzzy-ok, and otherwise ends with a sample of p_c. Without the fuzzy rule the output is
+    distributed as the target's samples, whatever r is. Random numbers: one uniform per (level, child slot),
+    one race for the bonus."""
     (b, n), dev, slots = tree.tokens.shape, logits.device, tree.max_children
     probs = process_logits(logits, form, values).softmax(-1)  # [B, n, V]
+    pure = form.mode == "pure"
     not_root = torch.arange(n, device=dev) > 0
     uniforms = rng.uniform((tree.max_depth, slots), DRAW_ACCEPT)  # [B, depth, slots]
     cur = torch.zeros(b, dtype=torch.long, device=dev)
     alive = torch.ones(b, dtype=torch.bool, device=dev)
+    exact_alive = alive.clone()
     n_acc = torch.ones(b, dtype=torch.long, device=dev)
+    exact_len = n_acc.clone()
     last_p = pick(probs, cur)  # the bonus distribution of rows whose walk has ended
     temp = values.temperature.unsqueeze(1)
     for level in range(tree.max_depth):
-        p = pick(probs, cur)  # [B, V]
+        p_c = pick(probs, cur)  # [B, V]
+        p = p_c
         row = pick(tree.q_row, cur).clamp(min=0)
         r_d = (pick(tree.r_logits, row).float() / temp).softmax(-1)  # [B, V_d]
         r = r_d if tree.r_vocab is None else torch.zeros_like(p).scatter(1, tree.r_vocab.expand(b, -1), r_d)
         children = (tree.parents == cur.unsqueeze(1)) & not_root  # [B, n], in the order drawn
         rank = torch.cumsum(children.long(), 1) - 1
+        first = torch.argmax((children & (rank == 0)).int(), 1)
         accepted = torch.zeros(b, dtype=torch.bool, device=dev)
         nxt = cur.clone()
         for slot in range(slots):
             is_slot = children & (rank == slot)
-            exists = is_slot.any(1) & alive & ~accepted
+            exists = is_slot.any(1) & ~accepted
             node = torch.argmax(is_slot.int(), 1)
             x = pick(tree.tokens, node)
             px, rx = p.gather(1, x[:, None]).squeeze(1), r.gather(1, x[:, None]).squeeze(1)
@@ -232,14 +238,21 @@ def _accept_sampled_children(tree, logits, form, values, rng):
             p = torch.where(reject, _residual(p, r), p)
             r_left = r.scatter(1, x[:, None], 0.0)
             r = torch.where(reject, r_left / r_left.sum(1, keepdim=True).clamp(min=1e-30), r)
-        ended = alive & ~accepted
+        exact_alive = exact_alive & accepted & alive  # what the exact rule alone accepts (statistics)
+        exact_len = exact_len + exact_alive
+        fuzzy_go = children.any(1) & pick(fuzzy_ok, first)
+        if pure:
+            go, nxt, p = fuzzy_go, first, p_c
+        else:
+            go, nxt = accepted | fuzzy_go, torch.where(accepted, nxt, first)
+        ended = alive & ~go
         last_p = torch.where(ended.unsqueeze(1), p, last_p)
-        cur = torch.where(alive & accepted, nxt, cur)
-        n_acc = n_acc + (alive & accepted)
-        alive = alive & accepted
+        cur = torch.where(alive & go, nxt, cur)
+        n_acc = n_acc + (alive & go)
+        alive = alive & go
     last_p = torch.where(alive.unsqueeze(1), pick(probs, cur), last_p)  # walked to the bottom: p at the leaf
     bonus = sample(last_p, rng, DRAW_TOKEN)
-    return root_path(tree, cur), n_acc, bonus
+    return root_path(tree, cur), n_acc, bonus, exact_len
 
 
 def _residual(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

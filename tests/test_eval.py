@@ -187,6 +187,50 @@ def test_batched_sweep_writes_the_same_records_and_resumes(folders, tmp_path, mo
                   batch_size=2, progress=False)
 
 
+def test_sharded_sweep_equals_one_process(folders, tmp_path, capsys):
+    """--shard K/N: N processes share one folder, each writing files of its own; together (a resume, the
+    table) they are the one-process sweep, here sampling with draft tokens drawn from the head
+    (--children sampled, kept in settings.json) under the exact and the fuzzy rule. A shard renders no
+    report, and a reader leaves a growing shard file alone."""
+    common = ("--tasks", "gsm8k", "arith", "--methods", "ar", "eagle2", "fsd", "--divergences", "kl",
+              "--thresholds", "1", "--max-new-tokens", "6", "--limit", "5", "--temperature", "0.7",
+              "--children", "sampled")
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    assert eval_main(sweep_args(folders, one, *common)) == 0
+    for k in (1, 0):
+        assert eval_main(sweep_args(folders, sharded, *common, "--shard", f"{k}/2")) == 0
+        assert "table --out" in capsys.readouterr().out
+    assert not (sharded / "results.json").exists()
+    assert sorted(p.name for p in (sharded / "raw" / "eagle2").iterdir()) == [
+        "arith.0-of-2.jsonl", "arith.1-of-2.jsonl", "gsm8k.0-of-2.jsonl", "gsm8k.1-of-2.jsonl"]
+    assert len((sharded / "raw" / "eagle2" / "gsm8k.0-of-2.jsonl").read_text().splitlines()) == 3  # 0, 2, 4
+    assert json.loads((one / "settings.json").read_text())["children"] == "sampled"
+    assert (one / "settings.json").read_text() == (sharded / "settings.json").read_text()
+    a, b = raw_records(one), raw_records(sharded)
+    assert sorted(a) == sorted(b) and len(a) == 3 * 2 * 5
+    for key, r in a.items():
+        assert {k: r.get(k) for k in SAME} == {k: b[key].get(k) for k in SAME}, key
+    assert any(r["fuzzy_accepted"] for r in a.values()) or any(r["target_forwards"] < r["new_tokens"] for r in a.values())
+    # a shard still writing: its cut-off last line is skipped by readers but stays in its file
+    growing = sharded / "raw" / "ar" / "gsm8k.1-of-2.jsonl"
+    text = growing.read_text() + '{"qid": "cut'
+    growing.write_text(text)
+    assert eval_main(sweep_args(folders, sharded, *common)) == 0  # a resume over every shard: nothing left
+    assert growing.read_text() == text
+    runs = [json.loads(line) for line in (sharded / "runs.jsonl").read_text().splitlines()]
+    assert [r.get("shard") for r in runs] == ["1/2", "0/2", None] and runs[-1]["jobs_skipped"] == 3 * 2 * 5
+    assert eval_main(["table", "--out", str(sharded), "--no-plot"]) == 0
+    rows_one = {r["config"]: r for r in json.loads((one / "results.json").read_text())["rows"]}
+    for r in json.loads((sharded / "results.json").read_text())["rows"]:
+        assert (r["tau"], r["n"]) == (rows_one[r["config"]]["tau"], rows_one[r["config"]]["n"])
+    for bad in ("2/2", "1", "a/2"):
+        assert eval_main(sweep_args(folders, tmp_path / "x", "--shard", bad)) != 0
+        assert "--shard must be K/N" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="need a temperature"):
+        run_sweep(tmp_path / "y", ["gsm8k"], ["eagle2"], target=str(folders / "target"), device="cpu",
+                  children="sampled", progress=False)
+
+
 def test_batched_jobs_group_by_config_and_task_in_blocks():
     from eval.sweep import BLOCK_BATCHES, group_jobs
 

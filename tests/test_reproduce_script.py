@@ -298,3 +298,26 @@ def test_lanes_run_stages_side_by_side_one_gpu_each(tmp_path):
     assert len(calls) == 4  # the second command started nothing
     assert (res / "sweep-draft-t0" / "speed.json").is_file()
     assert {p.name for p in (res / "lanes").iterdir()} == {"a", "b"}
+
+
+def test_sharded_sweeps_run_their_processes_on_the_gpus_in_turn(tmp_path):
+    """SHARDS=N: a sweep stage runs N `eval sweep --shard K/N` processes at once over one folder, on the GPUs
+    of SWEEP_GPUS in turn, each marked done on its own, and the sweep is done when all are; a stage token's
+    `sampled` draws the draft tokens (--children sampled) into a folder of its own; `speed:D:C` passes the
+    children of the speed run's sampling rows; the table pairs both sweep folders with the drafter's speed."""
+    res, _ = run_host_script(tmp_path, "reproduce.sh", [], "lane s ended, status 0", ("reproduce_steps.sh",),
+                             LANES="s 1 SHARDS=3 SWEEP_GPUS=0,2 sweep:draft:0 sweep:draft:0.7:sampled "
+                                   "speed:draft:sampled table")
+    calls = (tmp_path / "calls.gpu").read_text().splitlines()
+    sweeps = [c for c in calls if "-m eval sweep" in c]
+    assert len(sweeps) == 6
+    for name, children in (("sweep-draft-t0", "top"), ("sweep-draft-t0.7-sampled", "sampled")):
+        mine = sorted(c for c in sweeps if c.endswith(f"--out {res}/{name}"))
+        assert [c.split()[0] for c in mine] == sorted(["0", "2", "0"])
+        assert sorted(c.split("--shard ")[1].split()[0] for c in mine) == ["0/3", "1/3", "2/3"]
+        assert all(f"--children {children} " in c for c in mine)
+        assert all((res / "done" / f"{name}.{k}-of-3").is_file() for k in range(3))
+        assert (res / "done" / name).is_file() and (res / name / "speed.json").is_file()
+    speed = next(c for c in calls if "-m eval speed" in c)
+    assert speed.startswith("1 ") and "--children sampled " in speed
+    assert sum("-m eval table" in c for c in calls) == 2

@@ -29,7 +29,7 @@ from fsd_eagle.schedule import decode
 from fsd_eagle.session import PendingRound, Plan, Session
 from fsd_eagle.verify import AcceptanceRule
 
-from conftest import chi_square_pvalue, make_session, tiny_model
+from conftest import chi_square_pvalue, decode_all, make_session, tiny_model
 from test_engine import BROKEN, STAT_TREE, _has_cpu_compiler, exact_pair_distribution, make_stat_setup, noisy_copy
 
 CUDA = torch.cuda.is_available()
@@ -281,12 +281,50 @@ def test_the_sampling_test_fails_broken_sampled_children(monkeypatch, mode, brok
 
 
 def test_sampled_children_settings():
-    """children is 'top' or 'sampled'; greedy rules ignore it; the fuzzy rule refuses sampled children."""
+    """children is 'top' or 'sampled'; greedy rules ignore it; the fuzzy rule keeps it."""
     with pytest.raises(ConfigError, match="children must be 'top' or 'sampled'"):
         SamplingConfig(temperature=0.7, children="random")
     assert not AcceptanceRule(SamplingConfig(children="sampled")).form.sampled_children  # greedy
-    with pytest.raises(ConfigError, match="exact rule only"):
-        AcceptanceRule(SamplingConfig(temperature=0.7, children="sampled"), FuzzyConfig(threshold=1.0)).form
+    form = AcceptanceRule(SamplingConfig(temperature=0.7, children="sampled"), FuzzyConfig(threshold=1.0)).form
+    assert form.sampled_children and form.fuzzy
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "pure"])
+def test_fuzzy_sampled_children_at_t_inf_sample_the_draft(mode):
+    """FSD over a sampled chain (the paper's speculative sampling): at T = inf every drawn child is accepted,
+    so the token after the prefill's (a target sample) is distributed as the draft model's own sample, not
+    the target's."""
+    model, engine, prompt, first, second = make_stat_setup()
+    draft = engine.draft_model
+    with torch.no_grad():
+        q_second = draft(torch.cat([prompt.expand(len(first), -1), torch.arange(len(first))[:, None]], 1)).logits[:, -1]
+    rule = AcceptanceRule(SamplingConfig(temperature=1.0, children="sampled"),
+                          FuzzyConfig(threshold=float("inf"), divergence="kl", mode=mode))
+    session = make_mode_session("eager", engine, TreeConfig(total_tokens=3, depth=2, top_k=1), rule.form)
+    n = 2000
+    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=9)
+    assert accept_rate == 1.0
+    assert chi_square_pvalue(counts, exact_pair_distribution(first, q_second, 1.0, 1.0), n) > 1e-3
+    assert chi_square_pvalue(counts, exact_pair_distribution(first, second, 1.0, 1.0), n) < 1e-3
+
+
+def test_fuzzy_sampled_children_at_t0_decode_as_the_exact_rule():
+    """Hybrid FSD at T = 0 over sampled children decodes exactly what the exact rule decodes (same seed):
+    the fuzzy test never fires, and it draws no random numbers of its own."""
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.05)
+    tree = TreeConfig(total_tokens=8, depth=3, top_k=2)
+    sampled = SamplingConfig(temperature=0.8, children="sampled")
+    prompt = torch.tensor([5, 17, 99, 3, 42, 64, 8, 120])
+
+    def run(rule, seed):
+        out, stats = decode_all(make_session(target, tree, rule, draft_model=draft), prompt, 20, rule, seed)
+        return out, stats.accept_lengths
+
+    exact = run(AcceptanceRule(sampled), 3)
+    assert run(AcceptanceRule(sampled), 4)[0] != exact[0]  # the seed matters: equality below is not vacuous
+    for fuzzy in (FuzzyConfig(threshold=0.0, divergence="kl"), FuzzyConfig(threshold=1e-12, divergence="js", mode="hybrid")):
+        assert run(AcceptanceRule(sampled, fuzzy), 3) == exact, fuzzy
 
 
 @pytest.mark.parametrize("mode", MODES.values())

@@ -6,21 +6,27 @@
 # unfinished one continues from its checkpoint or its results (training --resume, the sweep's own resume).
 # Stages (STAGES, in order; default: data finetune accuracy head draft sweep speed table):
 #   data, finetune, accuracy, head, draft     one step each (docs/reproduction.md)
-#   sweep[:D[:T]]   the accuracy sweeps of drafter D (head, or draft: the draft LM) at temperature T; a bare
-#                   `sweep` runs every DRAFTERS x TEMPS pair
-#   speed[:D]       the single-process speed run of drafter D at every temperature of SPEED_TEMPS
+#   sweep[:D[:T[:sampled]]]  the accuracy sweeps of drafter D (head, or draft: the draft LM) at temperature T
+#                   (with `sampled`: draft tokens drawn from the drafter, into sweep-D-tT-sampled); a bare
+#                   `sweep` runs every DRAFTERS x TEMPS pair. With SHARDS=N, N processes share a sweep (on the
+#                   GPUs of SWEEP_GPUS in turn, e.g. 0,2,3; default: this job's), each a stage of its own
+#                   (sweep-D-tT.K-of-N), and the sweep is done when all are
+#   speed[:D[:C]]   the single-process speed run of drafter D at every temperature of SPEED_TEMPS (C: the
+#                   draft children of its sampling rows, top and/or sampled, e.g. top,sampled; default top)
 #   table           renders every sweep folder in $RES with its drafter's speed run (speed-D.json)
 #   seed            copies each sweep kept in $SEED (records, settings, run log) into $RES, unless $RES has that
 #                   sweep already: a later sweep then runs only the questions those records lack (extending a
 #                   LIMIT=400 sweep to all questions, on the same $RES so that the settings match)
 #   wait:NAME       waits until the stage NAME (e.g. head, sweep-head-t0) is done, for stages that run side by
 #                   side on several GPUs (eval/device/reproduce.sh, LANES); gives up after WAIT_LIMIT s (7200)
+#   set:VAR=VALUE   sets a setting for the stages after it (e.g. set:SHARDS=8 set:SWEEP_GPUS=0,1,2,3)
 # Settings (environment): ARITH (generated training problems, 20000), LIMIT (questions per task in the sweeps;
 # default all: 1,319 GSM8K + 1,000 arithmetic; per task: LIMIT="gsm8k=1319 arith=400"), TEMPS ("0 0.7"),
 # SPEED_TEMPS (default TEMPS), DRAFTERS ("head draft"), BATCH (32), LAYERS (draft model layers, 4), HEAD_TIME
 # (head training seconds, 900), DISTILL_COUNT (conversations the target answers for the head, 8000),
 # SPEED_LIMIT (speed prompts, 40), BACKEND (speed rounds: graph, or compiled), THRESHOLDS (the sweep's
-# --thresholds), SEED (eval/results/reproduction), TARGET (the fine-tuned target, $RES/finetune/model).
+# --thresholds), SEED (eval/results/reproduction), TARGET (the fine-tuned target, $RES/finetune/model),
+# SHARDS and SWEEP_GPUS (processes per sweep and their GPUs: see sweep above).
 set -euo pipefail
 RES=${RES:?set RES to the results folder}
 STAGES=${STAGES:-data finetune accuracy head draft sweep speed table}
@@ -70,19 +76,38 @@ fsd_pairs() {  # THRESHOLDS as the speed benchmark's divergence:threshold pairs
 
 limit_args() { if [ -n "${LIMIT:-}" ]; then echo "--limit ${LIMIT//,/ }"; fi; }  # "gsm8k=1319,arith=400" too
 
-sweep() {  # sweep DRAFTER TEMPERATURE
+sweep_shard() {  # sweep_shard NAME DRAFTER TEMPERATURE CHILDREN [K/N]: one process of a sweep
   # shellcheck disable=SC2046,SC2086
-  stage "sweep-$1-t$2" $PY -m eval sweep --target "$TARGET" $(drafter_args "$1") --tasks gsm8k arith \
-      --methods ar eagle2 fsd --divergences reverse_kl kl js --thresholds $THRESHOLDS --temperature "$2" \
-      --batch-size "$BATCH" --no-progress $(limit_args) --out "$RES/sweep-$1-t$2"
+  stage "$1${5:+.${5%/*}-of-${5#*/}}" $PY -m eval sweep --target "$TARGET" $(drafter_args "$2") \
+      --tasks gsm8k arith --methods ar eagle2 fsd --divergences reverse_kl kl js --thresholds $THRESHOLDS \
+      --temperature "$3" --children "$4" --batch-size "$BATCH" --no-progress $(limit_args) ${5:+--shard $5} \
+      --out "$RES/$1"
 }
 
-speed() {  # speed DRAFTER
+sweep() {  # sweep DRAFTER TEMPERATURE [CHILDREN]: SHARDS processes at once, on the GPUs of SWEEP_GPUS in turn
+  local children=${3:-top} name k gpus pids=() failed=0
+  name="sweep-$1-t$2$([ "$children" = top ] || echo "-$children")"
+  if [ -f "$RES/done/$name" ]; then echo "stage $name: done before"; return 0; fi
+  if [ "${SHARDS:-1}" -le 1 ]; then sweep_shard "$name" "$1" "$2" "$children"; else
+    read -ra gpus <<< "${SWEEP_GPUS:-${CUDA_VISIBLE_DEVICES:-0}}"  # "0 2 3" or 0,2,3
+    read -ra gpus <<< "${gpus[*]//,/ }"
+    for k in $(seq 0 $((SHARDS - 1))); do
+      (export CUDA_VISIBLE_DEVICES=${gpus[$((k % ${#gpus[@]}))]}
+       sweep_shard "$name" "$1" "$2" "$children" "$k/$SHARDS") &
+      pids+=($!)
+    done
+    for k in "${pids[@]}"; do wait "$k" || failed=1; done
+    [ "$failed" = 0 ] || { echo "stage $name: a shard failed" >&2; return 1; }
+  fi
+  date -u +%FT%TZ > "$RES/done/$name"
+}
+
+speed() {  # speed DRAFTER [CHILDREN]
   # shellcheck disable=SC2046
   stage "speed-$1" $PY -m eval speed --target "$TARGET" $(drafter_args "$1") --draft-vocab 0 \
       --prompts gsm8k --limit "$SPEED_LIMIT" --max-new-tokens 256 --repeats 1 --methods ar,eagle2,fsd \
-      --fsd "$(fsd_pairs)" --temperatures "$(echo "$SPEED_TEMPS" | tr ' ' ',')" --backends "$BACKEND" \
-      --rows-only --out "$RES/speed-$1.json"
+      --fsd "$(fsd_pairs)" --temperatures "$(echo "$SPEED_TEMPS" | tr ' ' ',')" --children "${2:-top}" \
+      --backends "$BACKEND" --rows-only --out "$RES/speed-$1.json"
 }
 
 seed() {  # copy the kept sweeps into $RES (see the header)
@@ -132,12 +157,13 @@ for s in $STAGES; do
         --recipe training/recipes/smollm2-135m-draft-distill.json --out "$RES/draft" --device cuda --resume ;;
     seed) seed ;;
     sweep) for d in $DRAFTERS; do for t in $TEMPS; do sweep "$d" "$t"; done; done ;;
-    sweep:*:*) d=${s#sweep:}; sweep "${d%%:*}" "${d#*:}" ;;
+    sweep:*:*) IFS=: read -r _ d t c <<< "$s"; sweep "$d" "$t" "$c" ;;
     sweep:*) d=${s#sweep:}; for t in $TEMPS; do sweep "$d" "$t"; done ;;
     speed) for d in $DRAFTERS; do speed "$d"; done ;;
-    speed:*) speed "${s#speed:}" ;;
+    speed:*) IFS=: read -r _ d c <<< "$s"; speed "$d" "$c" ;;
     table) table ;;
     wait:*) await "${s#wait:}" ;;
+    set:[A-Z_]*=*) export "${s#set:}" ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac
 done
