@@ -46,7 +46,7 @@ from fsd_eagle.jsonl import write_text_atomic
 
 from .metrics import token_agreement
 from .runinfo import write_json_atomic
-from .sweep import (RUNS_FILE, TASKS, Config, ResultStore, format_threshold, threshold_from_json)
+from .sweep import (RUNS_FILE, SETTINGS_FILE, TASKS, Config, ResultStore, format_threshold, threshold_from_json)
 
 ACC_KEYS = {"gsm8k": "gsm8k_acc", "mmlu": "mmlu_acc", "humaneval": "humaneval_pass1", "arith": "arith_acc"}
 TASK_TITLES = {"gsm8k": "GSM8K", "mmlu": "MMLU", "humaneval": "HumanEval pass@1", "arith": "Arithmetic"}
@@ -272,6 +272,8 @@ def build_results(out: Path | str, speed: Path | str | None = None) -> dict:
         raise InputError(f"no sweep results under {out / 'raw'}")
     runs = read_runs(out)
     meta = dict(runs[-1]) if runs else {}
+    if "settings" not in meta and (out / SETTINGS_FILE).is_file():  # a run killed before writing its entry
+        meta["settings"] = json.loads((out / SETTINGS_FILE).read_text())
     for run in reversed(runs):  # a resumed run with nothing left to do loaded no model: take the model's
         for key in ("tree", "torch_device", "model_dtype"):  # details from the last run that did
             if key not in meta and key in run:

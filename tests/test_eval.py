@@ -223,6 +223,11 @@ def test_sharded_sweep_equals_one_process(folders, tmp_path, capsys):
     rows_one = {r["config"]: r for r in json.loads((one / "results.json").read_text())["rows"]}
     for r in json.loads((sharded / "results.json").read_text())["rows"]:
         assert (r["tau"], r["n"]) == (rows_one[r["config"]]["tau"], rows_one[r["config"]]["n"])
+    # shards killed before writing their run entries: the report still takes the settings from settings.json
+    (sharded / "runs.jsonl").write_text(json.dumps({"device": "X", "command": "python -m eval sweep"}) + "\n")
+    assert eval_main(["table", "--out", str(sharded), "--no-plot"]) == 0
+    text = (sharded / "results.md").read_text()
+    assert "sampling at temperature 0.7 (seed" in text and "; draft tokens sampled from the drafter)" in text
     for bad in ("2/2", "1", "a/2"):
         assert eval_main(sweep_args(folders, tmp_path / "x", "--shard", bad)) != 0
         assert "--shard must be K/N" in capsys.readouterr().err
@@ -545,6 +550,21 @@ def test_merge_speed_rows_with_settings():
     assert by["ar"]["speed_method"] == "ar_compiled" and by["ar"]["tokens_per_s"] == 200.0
     assert by["eagle2"]["speed_method"] == "eagle2_compiled" and by["eagle2"]["tokens_per_s"] == 500.0
     assert by["fsd-kl-inf"]["tokens_per_s"] == 360.0
+
+
+def test_merge_speed_matches_the_draft_children_of_a_sampling_sweep():
+    """A sweep at T > 0 with sampled draft tokens takes the speed rows of sampled children (AR has none)."""
+    def row(method, children=None, tps=1.0, **kw):
+        r = {"method": method, "backend": "graph", "temperature": 0.7, "tokens_per_s": tps, **kw}
+        return r | ({"children": children} if children else {})
+
+    speed = {"rows": [row("ar", tps=100.0), row("eagle2", tps=200.0), row("eagle2", "sampled", 150.0),
+                      row("fsd", "sampled", 300.0, divergence="kl", threshold="inf"),
+                      row("fsd", tps=400.0, divergence="kl", threshold="inf")]}
+    for children, expected in (("sampled", (100.0, 150.0, 300.0)), ("top", (100.0, 200.0, 400.0))):
+        rows = aggregate(hand_records(), {"workers": 1, "device": "GPU"})
+        assert merge_speed(rows, speed, "s", 0.7, children) == 3
+        assert tuple(r["tokens_per_s"] for r in rows) == expected, children
 
 
 def test_table_command_rebuilds_from_raw(tmp_path, capsys):
