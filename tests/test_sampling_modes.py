@@ -289,18 +289,24 @@ def test_sampled_children_settings():
     assert form.sampled_children and form.fuzzy
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "pure"])
-def test_fuzzy_sampled_children_at_t_inf_sample_the_draft(mode):
+@pytest.mark.parametrize("exec_mode,mode", [("eager", "hybrid"), ("eager", "pure"),
+                                            pytest.param("compiled", "hybrid", marks=needs_compiler),
+                                            pytest.param("graph", "hybrid", marks=needs_cuda),
+                                            pytest.param("compiled_graph", "pure", marks=needs_cuda)])
+def test_fuzzy_sampled_children_at_t_inf_sample_the_draft(exec_mode, mode):
     """FSD over a sampled chain (the paper's speculative sampling): at T = inf every drawn child is accepted,
     so the token after the prefill's (a target sample) is distributed as the draft model's own sample, not
-    the target's."""
-    model, engine, prompt, first, second = make_stat_setup()
-    draft = engine.draft_model
+    the target's; eager, compiled and in CUDA graphs."""
+    torch._dynamo.reset()
+    device = "cuda" if exec_mode in ("graph", "compiled_graph") else "cpu"
+    _, engine, prompt, first, second = make_stat_setup()
     with torch.no_grad():
-        q_second = draft(torch.cat([prompt.expand(len(first), -1), torch.arange(len(first))[:, None]], 1)).logits[:, -1]
+        q_second = engine.draft_model(torch.cat([prompt.expand(len(first), -1),
+                                                 torch.arange(len(first))[:, None]], 1)).logits[:, -1]
+    engine, prompt, _, _ = stat_setup_on(device)
     rule = AcceptanceRule(SamplingConfig(temperature=1.0, children="sampled"),
                           FuzzyConfig(threshold=float("inf"), divergence="kl", mode=mode))
-    session = make_mode_session("eager", engine, TreeConfig(total_tokens=3, depth=2, top_k=1), rule.form)
+    session = make_mode_session(exec_mode, engine, TreeConfig(total_tokens=3, depth=2, top_k=1), rule.form)
     n = 2000
     counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=9)
     assert accept_rate == 1.0
