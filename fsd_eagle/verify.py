@@ -163,11 +163,7 @@ def _accept_sampling(tree, logits, fuzzy_ok, form, values, rng):
     not_root = torch.arange(n, device=dev) > 0
     top = top_children(tree)
     uniforms = rng.uniform((tree.max_depth, n), DRAW_ACCEPT)  # [B, depth, n]
-    cur = torch.zeros(b, dtype=torch.long, device=dev)
-    alive = torch.ones(b, dtype=torch.bool, device=dev)
-    exact_alive = alive.clone()
-    n_acc = torch.ones(b, dtype=torch.long, device=dev)
-    exact_len = n_acc.clone()
+    cur, alive, exact_alive, n_acc, exact_len = _walk_start(b, dev)
     for level in range(tree.max_depth):
         p = pick(probs, cur)  # [B, V]
         children = (tree.parents == cur.unsqueeze(1)) & not_root
@@ -207,11 +203,7 @@ def _accept_sampled_children(tree, logits, fuzzy_ok, form, values, rng):
     pure = form.mode == "pure"
     not_root = torch.arange(n, device=dev) > 0
     uniforms = rng.uniform((tree.max_depth, slots), DRAW_ACCEPT)  # [B, depth, slots]
-    cur = torch.zeros(b, dtype=torch.long, device=dev)
-    alive = torch.ones(b, dtype=torch.bool, device=dev)
-    exact_alive = alive.clone()
-    n_acc = torch.ones(b, dtype=torch.long, device=dev)
-    exact_len = n_acc.clone()
+    cur, alive, exact_alive, n_acc, exact_len = _walk_start(b, dev)
     last_p = pick(probs, cur)  # the bonus distribution of rows whose walk has ended
     temp = values.temperature.unsqueeze(1)
     for level in range(tree.max_depth):
@@ -253,6 +245,15 @@ def _accept_sampled_children(tree, logits, fuzzy_ok, form, values, rng):
     last_p = torch.where(alive.unsqueeze(1), pick(probs, cur), last_p)  # walked to the bottom: p at the leaf
     bonus = sample(last_p, rng, DRAW_TOKEN)
     return root_path(tree, cur), n_acc, bonus, exact_len
+
+
+def _walk_start(b: int, dev: torch.device):
+    """A walk down B rows' trees at its start: the current node (the root), whether the walk goes on (any
+    rule), whether the exact rule alone would still go on, and the accepted lengths of both (the root)."""
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    n_acc = torch.ones(b, dtype=torch.long, device=dev)
+    return cur, alive, alive.clone(), n_acc, n_acc.clone()
 
 
 def _residual(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
