@@ -288,6 +288,8 @@ def test_tune_batch_measures_every_candidate_through_generate(tiny_llama, monkey
     assert all(r["new_tokens"] == 2 * 4 * 6 for r in rows.values())  # no EOS: every prompt to max_new_tokens
     assert rows["ar"]["tau"] == 1.0 and rows["8/3/2"]["tau"] > rows["2/1/1"]["tau"] > 1.0
     best = max(rows, key=lambda k: rows[k]["tokens_per_s"])
+    if rows[best]["tokens_per_s"] < tune.MIN_BATCH_SPEEDUP * rows["ar"]["tokens_per_s"]:
+        best = "ar"  # a tree must beat plain decoding by MIN_BATCH_SPEEDUP (timing: either may happen here)
     assert entry["tree"] == ("autoregressive" if best == "ar" else TreeConfig.parse(best).to_dict())
     assert m["tuned"] and m["batch_size"] == 2 and m["tokens_per_s"] == rows[best]["tokens_per_s"]
 
