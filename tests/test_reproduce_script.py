@@ -43,6 +43,23 @@ def test_data_stage_runs_once_and_unknown_stages_are_refused(tmp_path):
     assert stuck.returncode == 3 and "gave up waiting for head after 0 s" in stuck.stderr
 
 
+def test_run_stage_runs_its_command_line_once(tmp_path):
+    """run:NAME runs the command line in RUN_NAME as a stage of its own (once; its output logged), and a
+    run stage without its command line stops the script with the variable's name."""
+    env = {**os.environ, "RES": str(tmp_path), "STAGES": "run:side1 run:side1",
+           "RUN_side1": 'echo "$RES" >> "$RES/side/where"; echo logged'}
+    first = subprocess.run(["bash", "eval/device/reproduce_steps.sh"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "side" / "where").read_text() == f"{tmp_path}\n"  # ran once
+    assert "stage run-side1: done before" in first.stdout
+    assert (tmp_path / "logs" / "run-side1.log").read_text() == "logged\n"
+    missing = subprocess.run(["bash", "eval/device/reproduce_steps.sh"], cwd=ROOT,
+                             env={**env, "STAGES": "run:other"}, capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "RUN_other" in missing.stderr
+    assert not (tmp_path / "done" / "run-other").exists()
+
+
 def test_seed_stage_copies_the_kept_sweeps_once(tmp_path):
     """seed: each sweep kept in $SEED (records, settings, run log) is copied into $RES, where a later sweep
     stage resumes it; a sweep that $RES has already is left alone."""

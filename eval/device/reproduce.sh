@@ -9,7 +9,7 @@
 # each command replaces the working tree), and every command then waits up to $WAIT seconds (default 540, or
 # until the run ends) and copies the small results to $OUT: the stage log, every finished sweep's
 # results.json / results.md / settings.json / runs.jsonl, the speed files, the fine-tuned model's and the
-# draft model's recipe, training log and model card, and one tar of per-question records per sweep
+# draft model's recipe, training log and model card, what run:NAME side jobs wrote under $RES/side, and one tar of per-question records per sweep
 # (raw_<sweep folder>.tar.gz). A run that died is started again and its stages resume (finished ones are
 # skipped). The stage settings (STAGES, LIMIT, TEMPS, ...) are those of reproduce_steps.sh, passed through.
 # With several GPUs, LANES runs stage lists side by side, one background job and one GPU each, all on the same
@@ -74,7 +74,7 @@ if [ -n "${OUT:-}" ]; then
       sweep-*/results.json sweep-*/results.md sweep-*/settings.json sweep-*/runs.jsonl sweep-*/speed.json speed-*.json \
       accuracy/results.json accuracy/results.md finetune/model/recipe.json finetune/model/training.json \
       finetune/model/README.md draft/model/recipe.json draft/model/training.json draft/model/README.md \
-      head/head/recipe.json head/head/training_log.json head/head/README.md 2> /dev/null || true)
+      head/head/recipe.json head/head/training_log.json head/head/README.md side 2> /dev/null || true)
   # the per-question records, one tar per sweep (each stays under the 16 MiB a returned file may have)
   for d in "$RES"/sweep-* "$RES"/accuracy; do
     if [ -d "$d/raw" ]; then (cd "$RES" && tar czf "$OUT/raw_$(basename "$d").tar.gz" "$(basename "$d")/raw" || true); fi

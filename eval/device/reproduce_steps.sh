@@ -20,6 +20,9 @@
 #   wait:NAME       waits until the stage NAME (e.g. head, sweep-head-t0) is done, for stages that run side by
 #                   side on several GPUs (eval/device/reproduce.sh, LANES); gives up after WAIT_LIMIT s (7200)
 #   set:VAR=VALUE   sets a setting for the stages after it (e.g. set:SHARDS=8 set:SWEEP_GPUS=0,1,2,3)
+#   run:NAME        runs the command line in the environment variable RUN_NAME once, as a stage of its own
+#                   (run-NAME, logged to logs/run-NAME.log): a side job on the lane's GPU, e.g. a benchmark of
+#                   the default model while the models train; files it writes under $RES/side come back
 # Settings (environment): ARITH (generated training problems, 20000), LIMIT (questions per task in the sweeps;
 # default all: 1,319 GSM8K + 1,000 arithmetic; per task: LIMIT="gsm8k=1319 arith=400"), TEMPS ("0 0.7"),
 # SPEED_TEMPS (default TEMPS), DRAFTERS ("head draft"), BATCH (32), LAYERS (draft model layers, 4), HEAD_TIME
@@ -164,6 +167,8 @@ for s in $STAGES; do
     table) table ;;
     wait:*) await "${s#wait:}" ;;
     set:[A-Z_]*=*) export "${s#set:}" ;;
+    run:[A-Za-z0-9_]*) n=${s#run:}; v=RUN_$n; mkdir -p "$RES/side"
+        stage "run-$n" bash -c "${!v:?the stage $s needs the command line in RUN_$n}" ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac
 done
