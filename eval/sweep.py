@@ -405,14 +405,16 @@ def _error_record(job: dict, error: Exception) -> dict:
     return record
 
 
-def _result_record(job: dict, prompt_ids: list[int], result, batch_size: int = 1) -> dict:
-    """The record of one generated question: tokens, statistics, the target's NLL and the score. Decoded in a
-    batch (``batch_size`` > 1), its time goes to ``batch_elapsed_s`` and ``elapsed_s`` is None."""
+def _result_record(job: dict, prompt_ids: list[int], result, batch_size: int = 1,
+                   nll: tuple[float, int] | None = None) -> dict:
+    """The record of one generated question: tokens, statistics, the target's NLL (``nll``: (sum, tokens)
+    when already computed, see :func:`_records_of`) and the score. Decoded in a batch (``batch_size`` > 1),
+    its time goes to ``batch_elapsed_s`` and ``elapsed_s`` is None."""
     from .fidelity import sequence_nll
 
     gen, opts = _STATE["gen"], _STATE["opts"]
     s = result.stats
-    nll_sum, nll_tokens = sequence_nll(gen.target.model, prompt_ids, result.token_ids)
+    nll_sum, nll_tokens = nll or sequence_nll(gen.target.model, prompt_ids, result.token_ids)
     record = _job_record(job)
     record.update(prompt_tokens=len(prompt_ids), token_ids=result.token_ids, text=result.text,
                   stop_reason=result.stop_reason, new_tokens=s.new_tokens, target_forwards=s.target_forwards,
@@ -449,12 +451,14 @@ def _run_group(jobs: list[dict], batch_size: int) -> Iterator[dict]:
         except FSDError as e:
             yield _error_record(job, e)
     while pending:
-        finished = 0
+        finished: list[tuple[dict, list[int], object]] = []
         try:
             for i, result in gen.generate_many([ids for _, ids in pending], jobs[0]["max_new_tokens"],
                                                batch_size=batch_size, **_decode_args(jobs[0]["config"], opts)):
-                finished += 1
-                yield _result_record(*pending[i], result, batch_size)
+                finished.append((*pending[i], result))
+                if len(finished) % batch_size == 0:
+                    yield from _records_of(finished[-batch_size:], batch_size)
+            yield from _records_of(finished[len(finished) - len(finished) % batch_size:], batch_size)
             return
         except InputError as e:
             refused = re.match(r"prompt (\d+): (.*)", str(e), re.S)
@@ -462,6 +466,17 @@ def _run_group(jobs: list[dict], batch_size: int) -> Iterator[dict]:
                 raise
             job, _ = pending.pop(int(refused[1]))
             yield _error_record(job, InputError(refused[2]))
+
+
+def _records_of(finished: list[tuple[dict, list[int], object]], batch_size: int) -> Iterator[dict]:
+    """The records of questions that finished decoding, (job, prompt ids, result) each, their target NLLs
+    computed together (:func:`eval.fidelity.sequences_nll`: a forward or two for a whole batch's worth of
+    questions, where one forward each took longer than decoding them)."""
+    from .fidelity import sequences_nll
+
+    nlls = sequences_nll(_STATE["gen"].target.model, [(ids, result.token_ids) for _, ids, result in finished])
+    for (job, ids, result), nll in zip(finished, nlls):
+        yield _result_record(job, ids, result, batch_size, nll)
 
 
 def group_jobs(jobs: list[dict], batch_size: int) -> list[list[dict]]:

@@ -20,7 +20,7 @@ from test_api import make_llama, save_target_and_head
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eval/ is not installed: import it from the checkout
 
 from eval.__main__ import main as eval_main  # noqa: E402
-from eval.fidelity import mean_nll, sequence_nll  # noqa: E402
+from eval.fidelity import mean_nll, sequence_nll, sequences_nll  # noqa: E402
 from eval.report import (aggregate, build_results, claim_check, loss_budget_check, merge_speed,  # noqa: E402
                          render_markdown, reverse_kl_vs_pr)
 from eval.sweep import (DEFAULT_MAX_NEW_TOKENS, Config, ResultStore, build_configs, load_questions, mmlu_order,
@@ -777,3 +777,26 @@ def test_speed_compares_several_trees_in_one_run(folders, tmp_path):
     assert result["meta"]["trees"] == ["6/3/2", "4/2/2"] and result["meta"]["tree"]["total_tokens"] == 6
     with pytest.raises(SystemExit, match="--trees"):
         eval_main(["speed", "--device", "cpu", "--trees", "6/3", "--out", str(tmp_path / "x.json")])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sequences_nll_equals_one_forward_per_pair(arch):
+    """Many pairs scored together (left padding, several forwards when the logit budget is small, an empty
+    output among them, the input order kept) give each pair's own sequence_nll; Gemma 3's sliding window is
+    shorter than the longest sequence."""
+    from conftest import tiny_model
+    from fsd_eagle.errors import InputError
+
+    model = tiny_model(arch, seed=4, **({"sliding_window": 4} if arch == "gemma3" else {})).eval()
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(1, 120, (p,), generator=g).tolist(), torch.randint(1, 120, (o,), generator=g).tolist())
+             for p, o in [(3, 9), (11, 2), (1, 1), (6, 0), (2, 14), (9, 5)]]
+    alone = [sequence_nll(model, p, o) for p, o in pairs]
+    for kwargs in ({}, {"max_rows": 2}, {"max_logits": 1}):  # max_logits 1: one pair per forward
+        together = sequences_nll(model, pairs, **kwargs)
+        assert [n for _, n in together] == [n for _, n in alone] == [9, 2, 1, 0, 14, 5]
+        for (t, _), (a, _) in zip(together, alone):
+            assert t == pytest.approx(a, rel=1e-4, abs=1e-4)
+    assert sequences_nll(model, []) == []
+    with pytest.raises(InputError):
+        sequences_nll(model, [([], [3])])
