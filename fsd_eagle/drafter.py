@@ -101,19 +101,21 @@ class SlotDrafter:
 
     @torch.no_grad()
     def commit(self, next_tokens: torch.Tensor, features: torch.Tensor, n_accepted: torch.Tensor,
-               backend: str | None = None, grow: torch.Tensor | None = None) -> DraftRoot:
+               backend: str | None = None, grow: torch.Tensor | None = None, slots_read: int | None = None
+               ) -> DraftRoot:
         """Consume each row's accepted path: next_tokens ``[B, P]`` (the token after each path node: accepted
         drafts, then the bonus), the target's features at the path nodes ``[B, P, h]``; only the first
         ``n_accepted[b]`` entries count (the rest is padding written to scratch slots). The lengths grow by
         ``grow`` (default: ``n_accepted``; 0 for a row that is not decoding). ``backend``: of attention
-        (default: the target's)."""
+        (default: the target's). ``slots_read``: attention reads only the cache's first slots_read slots
+        (a prefill into an empty cache: its own P; default all)."""
         features = self._read(features)
         b, n = next_tokens.shape
         idx = torch.arange(n, device=next_tokens.device)
         slots = self.length.unsqueeze(1) + idx
         causal = (idx.unsqueeze(1) >= idx.unsqueeze(0)).expand(b, n, n)
-        states = self._forward(next_tokens, features, slots, slots, SlotMask(self.length, causal, self.max_len),
-                               backend)
+        mask = SlotMask(self.length, causal, slots_read or self.max_len)
+        states = self._forward(next_tokens, features, slots, slots, mask, backend)
         state = pick(states, n_accepted - 1)
         self.length.add_(n_accepted if grow is None else grow)
         return DraftRoot(self.logits(state), state)
@@ -231,7 +233,7 @@ class EagleDrafter(SlotDrafter):
             n = torch.full((features.shape[0],), features.shape[1], device=features.device)
         self.length.zero_()
         with no_cudnn():
-            return self.commit(tokens[:, 1:], features, n, "sdpa")
+            return self.commit(tokens[:, 1:], features, n, "sdpa", slots_read=tokens.shape[1] - 1)
 
 
 class ModelDrafter(SlotDrafter):

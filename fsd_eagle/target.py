@@ -61,6 +61,8 @@ class Target:
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)
         self.attention = "sdpa"
         self.feature_layers: tuple[int, ...] = ()
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+            self.route_attention()  # the same SDPA forwards, and prefills that read their own slots only
 
     def capture(self, layers: tuple[int, ...]) -> None:
         """Carry the hidden states entering decoder layers ``layers`` (id i: transformers' hidden_states[i],
@@ -82,10 +84,17 @@ class Target:
             self.route_attention()
         self.attention = backend
 
+    @property
+    def routed(self) -> bool:
+        """Whether the model's attention runs through our registered function (``route_attention``)."""
+        return getattr(self.model.config, "_attn_implementation", None) == attention.ATTENTION_NAME
+
     def route_attention(self) -> None:
         """Run the model's attention through our registered function (``attention.tree_attention``) from now
         on, where FlexAttention fits the model (else nothing changes). It sends BlockMasks to FlexAttention
-        and every other mask to transformers' stock SDPA function, so SDPA forwards compute what they did.
+        and every other mask to transformers' stock SDPA function, so SDPA forwards compute what they did
+        (over the slots a narrower mask covers: ``attention.mask_keys``). A model loaded with SDPA is routed
+        when its first Target is made.
 
         The choice is a field of the model's config, shared by every Target over the model, and compiled
         code guards on it: a prefill compiled before some round switched it to FlexAttention would compile
@@ -181,13 +190,17 @@ class Target:
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Run prompts ``[B, L]`` (one length) into the cache from slot 0 (whatever it held); returns f ``[B, L,
-        h * (1 + m)]``; lengths become L."""
+        h * (1 + m)]``; lengths become L. Attention reads slots 0..L-1 only (a mask of L columns) where the model
+        runs our attention function (``routed``)."""
         b, n = tokens.shape
         self.length.zero_()
         pos = torch.arange(n, device=self.device).expand(b, n)
         causal = (pos.unsqueeze(2) >= pos.unsqueeze(1))
+        # Only our attention function reads a narrower mask's slots alone (a model's own SDPA or eager
+        # attention takes the whole cache).
+        slots = n if self.routed else self.cache.max_len
         with attention.no_cudnn():
-            features = self.run(tokens, pos, pos, SlotMask(self.length, causal, self.cache.max_len), "sdpa")
+            features = self.run(tokens, pos, pos, SlotMask(self.length, causal, slots), "sdpa")
         self.length.fill_(n)
         return features
 

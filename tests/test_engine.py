@@ -1317,3 +1317,41 @@ def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab,
         results.append(torch.stack(rounds))
     assert torch.equal(results[0], results[1])
     assert (results[0][:, 0, 0] > 1).any()  # some round accepted drafted tokens (n_accepted of row 0)
+
+
+def test_prefill_attention_reads_only_the_prompts_slots(monkeypatch):
+    """A model loaded with SDPA runs our attention function from its first Target on; a prefill into an
+    empty cache then attends over its own L slots, not the whole cache (its mask has L columns), and a
+    tree forward over the whole cache; the EAGLE head's prefill too. The outputs are checked against the
+    model's own forward elsewhere (test_target_logits_match_the_models_own_forward)."""
+    import torch.nn.functional as F
+
+    from fsd_eagle.drafter import EagleDrafter
+    from fsd_eagle.head import EagleHead, HeadConfig
+    from fsd_eagle.target import Target
+
+    model = copy.deepcopy(cached_model("llama"))
+    assert model.config._attn_implementation == "sdpa"
+    target = Target(model)
+    assert target.routed
+    target.allocate(256)
+    keys: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        keys.append(k.shape[-2])
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    tokens = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    features = target.prefill(tokens)
+    assert keys and set(keys) == {10}
+    keys.clear()
+    target.forward_tree(tokens[:, :3], torch.arange(3).view(1, 3), torch.ones(1, 3, 3, dtype=torch.bool).tril())
+    assert set(keys) == {target.cache.max_len}
+    keys.clear()
+    head = EagleHead(HeadConfig.for_target(target.config)).eval()
+    drafter = EagleDrafter(head, target)
+    drafter.allocate(256, TreeConfig(total_tokens=8, depth=3, top_k=2))
+    drafter.prefill(torch.cat([tokens, tokens[:, :1]], 1), features)
+    assert keys == [10]
