@@ -77,7 +77,8 @@ def sequences_nll(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *
     todo = sorted((i for i, (_, o) in enumerate(pairs) if o), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
     for i in todo:
         if not pairs[i][0]:
-            raise InputError("sequence_nll needs at least one prompt token (the first output token is conditioned on it)")
+            raise InputError("sequence_nll needs at least one prompt token (the first output token is "
+                             "conditioned on it)")
     if not todo:
         return results
     device = next(model.parameters()).device
