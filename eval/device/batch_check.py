@@ -1,6 +1,7 @@
 """Quick GPU check of batched decoding on the default model, the 80 MT-bench first turns, 128 new tokens:
 
     python eval/device/batch_check.py exact            # float32 graph rounds: 16 prompts in 8 rows == each alone
+    python eval/device/batch_check.py exact-compiled   # the same with compiled rounds and prefills
     python eval/device/batch_check.py graph            # bf16 graph rounds: AR and EAGLE-2 tokens/s at batch 1, 8, 32
     python eval/device/batch_check.py speed,b1,b8      # bf16 compiled rounds at the batch sizes named (b1 b8 b32)
 
@@ -32,14 +33,16 @@ def log(**kw):
 
 prompts = [q.turns[0] for q in load_mt_bench(limit=80)]
 steps = sys.argv[1].split(",") if len(sys.argv) > 1 else ["exact", "speed"]
-if "exact" in steps:
-    g = SpeculativeGenerator.load(dtype="float32")
+for step in ("exact", "exact-compiled"):
+    if step not in steps:
+        continue
+    g = SpeculativeGenerator.load(dtype="float32", compile=step == "exact-compiled")
     for ar in (False, True):
         t = time.perf_counter()
         alone = [g.generate(p, max_new_tokens=64, autoregressive=ar).token_ids for p in prompts[:16]]
         many = g.generate(prompts[:16], max_new_tokens=64, batch_size=8, autoregressive=ar)
         same = sum(a == m.token_ids for a, m in zip(alone, many))
-        log(step="fp32_graph_exact", ar=ar, same=same, of=16, mode=many[0].stats.mode, s=time.perf_counter() - t)
+        log(step=f"fp32_{step}", ar=ar, same=same, of=16, mode=many[0].stats.mode, s=time.perf_counter() - t)
     del g
     torch.cuda.empty_cache()
 
