@@ -1330,7 +1330,7 @@ def test_prefill_attention_reads_only_the_prompts_slots(monkeypatch):
     from fsd_eagle.head import EagleHead, HeadConfig
     from fsd_eagle.target import Target
 
-    model = copy.deepcopy(cached_model("llama"))
+    model = tiny_model("llama", seed=5)  # a fresh model: a Target over a cached one may have routed it already
     assert model.config._attn_implementation == "sdpa"
     target = Target(model)
     assert target.routed
