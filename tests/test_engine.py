@@ -1213,6 +1213,62 @@ def test_sessions_of_one_plan_share_their_compilations(tiny_llama, kind, monkeyp
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+def test_batch_sessions_compile_their_prefills_once_for_two_or_more_rows(tiny_llama, monkeypatch):
+    """A batched GPU Session compiles its prefills as one-row Sessions do: prefills of 4 and 2 rows share one
+    compilation (rows symbolic), one row compiles its own; every started row holds what an eager prefill of
+    its prompt leaves (first token, root, cache slots)."""
+    import fsd_eagle.decode as decode_module
+    from torch._dynamo.testing import CompileCounter
+
+    compile_fn, counter = torch.compile, CompileCounter()
+
+    def counted(fn, **kwargs):  # dynamo alone (no inductor)
+        return compile_fn(fn, backend=counter, **kwargs)
+
+    def capture(fn, state, pool=None):  # a "capture" on the CPU: runs fn (compiling it) and restores the state
+        saved = [t.clone() for t in state]
+        out = fn()
+        for t, v in zip(state, saved):
+            t.copy_(v)
+        return _Replay(fn, out), out
+
+    monkeypatch.setattr(torch, "compile", counted)
+    monkeypatch.setattr(decode_module, "capture", capture)
+    monkeypatch.setattr(session_module, "capture", capture)
+    compiled_prefill.cache_clear()
+    torch._dynamo.reset()
+    try:
+        cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
+        eng = _engine("eagle", copy.deepcopy(tiny_llama))
+        prompts = [random_prompt(i, 128, 5, 9) for i in range(7)]
+        sessions = []
+        for gpu in (True, False):
+            session = make_session(tree=cfg, engine=eng, graphs=True, compile=True, batch=8)
+            session.use_graph, session.compile = gpu, gpu  # a GPU session's settings, or eager prefills
+            session.allocate(256)
+            rule = AcceptanceRule()
+            session.start_rows([0, 1, 2, 3], prompts[:4], [rule] * 4, [0] * 4)  # a prefill of 4 rows
+            frames = [counter.frame_count]
+            session.start_rows([4, 5], prompts[4:6], [rule] * 2, [0] * 2)  # of 2 rows
+            frames.append(counter.frame_count)
+            session.start_rows([6], prompts[6:], [rule], [0])  # of 1 row
+            frames.append(counter.frame_count)
+            if gpu:
+                assert frames == [1, 1, 2], frames
+            sessions.append(session)
+        compiled, eager = sessions
+        assert torch.equal(compiled.state.root_token[:7], eager.state.root_token[:7])
+        torch.testing.assert_close(compiled.state.root_logits[:7], eager.state.root_logits[:7])
+        for row, p in enumerate(prompts):
+            n = p.shape[0]
+            kv = compiled.target.cache.kv, eager.target.cache.kv
+            torch.testing.assert_close(kv[0][:, :, row, :, :n], kv[1][:, :, row, :, :n])
+    finally:
+        compiled_prefill.cache_clear()
+        torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
     """No graph break in run_round (each break splits inductor's fusion and adds launches to the round)."""
