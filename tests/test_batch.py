@@ -364,3 +364,28 @@ def test_stream_of_many_prompts_interleaves_pieces_that_add_up_to_each_text(tiny
         assert texts[i] == results[i].text == alone_result.text
         assert results[i].token_ids == alone_result.token_ids
     assert order != sorted(order)  # pieces of different prompts interleave
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_rounds_with_flex_attention_decode_as_alone(arch):
+    """The tree attention of compiled GPU rounds (FlexAttention with one prefix per row), run eagerly: 6 prompts
+    of 90-150 tokens through 3 rows, so that rows' prefixes end in different 128-slot blocks and cross into
+    the next while they decode; every output equals the prompt decoded alone with SDPA. (Eager FlexAttention
+    applies the mask function everywhere; that the block lists cover the mask is
+    test_engine.test_slot_mask_and_its_flex_blocks.) gemma3's sliding window (6 tokens) is far shorter than
+    prompt + output."""
+    eng = engine(arch, "head")
+    plan = Plan(TREE, GREEDY.form, drafting=True, batch=3)
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, eng.target.vocab_size, (int(torch.randint(90, 151, (1,), generator=gen)),),
+                        generator=gen) for _ in range(6)]
+    session = Session(eng, plan)
+    session.attention = "flex"  # what a compiled GPU session runs (here eagerly: the slow reference)
+    scheduler = Scheduler(session, [Request(p, 40, GREEDY) for p in ps])
+    out: list[list[int]] = [[] for _ in ps]
+    for i, tokens in scheduler.run():
+        out[i] += tokens
+    assert session.target.attention == "flex"
+    for p, got in zip(ps, out):
+        assert got == alone(eng, plan, p, 40)
