@@ -191,6 +191,20 @@ def test_batch_script_runs_several_speed_benchmarks_once_each(tmp_path):
     assert not list(res.glob("kernels*"))
 
 
+def test_batch_script_warms_each_method_once_before_the_benchmark(tmp_path):
+    """WARM=ar,eagle2: one short benchmark per method with the run's options (its own method, 64 prompts, 8
+    tokens, scratch result files), then the full benchmark; a second command runs none of them again."""
+    res, _ = run_host_script(tmp_path, "batch.sh", ["--batch-sizes", "1,8"], "benchmark ended, status 0",
+                             KERNELS="0", WARM="ar,eagle2")
+    calls = [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m eval")]
+    common = "-m eval batch --device cuda --dtype bfloat16 --compile --batch-sizes 1,8"
+    assert sorted(calls[:2]) == [f"{common} --methods {m} --limit 64 --max-new-tokens 8 --output {res}/warm-{m}.json"
+                                 for m in ("ar", "eagle2")]
+    assert calls[2:] == [f"-m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume --output "
+                         f"{res}/gpu_batch.json --batch-sizes 1,8"]
+    assert (res / "warmed").is_file()
+
+
 def test_assemble_unpacks_carried_tars_and_checks_the_bundle(tmp_path):
     """eval/device/assemble.sh: pieces are collected until all have come, a carried tar (e.g. heads of an
     earlier host) is unpacked into the store as it comes, and a bundle whose checksum differs is refused."""
