@@ -1165,22 +1165,18 @@ class _Replay:
         return None
 
 
-@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-@pytest.mark.parametrize("kind", ["eagle", "noisy"])
-def test_sessions_of_one_plan_share_their_compilations(tiny_llama, kind, monkeypatch):
-    """What a GPU session compiles (its prefill, then its FlexAttention round), counted per function by
-    dynamo: a second and a third Session of the same plan compile nothing new. (The first Session's round
-    switches the shared model to the registered attention function, which compiled prefills guard on: before
-    Sessions routed attention ahead of compiling, the second Session compiled its prefill again.)"""
+def gpu_session_on_the_cpu(monkeypatch, backend_of) -> None:
+    """What a GPU Session compiles and captures, run on the CPU: torch.compile with dynamo alone (the backend
+    ``backend_of(fn)``, e.g. a frame counter) and a stand-in capture that runs the function once (compiling
+    it), restores the state and replays by calling it again; the compiled prefill is made afresh."""
     import fsd_eagle.decode as decode_module
-    from torch._dynamo.testing import CompileCounter
 
-    compile_fn, counters = torch.compile, {}
+    compile_fn = torch.compile
 
-    def counted(fn, **kwargs):  # dynamo alone (no inductor), one frame counter per compiled function
-        return compile_fn(fn, backend=counters.setdefault(fn.__name__, CompileCounter()), **kwargs)
+    def counted(fn, **kwargs):
+        return compile_fn(fn, backend=backend_of(fn), **kwargs)
 
-    def capture(fn, state, pool=None):  # a "capture" on the CPU: runs fn (compiling it) and restores the state
+    def capture(fn, state, pool=None):
         saved = [t.clone() for t in state]
         out = fn()
         for t, v in zip(state, saved):
@@ -1191,6 +1187,19 @@ def test_sessions_of_one_plan_share_their_compilations(tiny_llama, kind, monkeyp
     monkeypatch.setattr(decode_module, "capture", capture)
     monkeypatch.setattr(session_module, "capture", capture)
     compiled_prefill.cache_clear()
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("kind", ["eagle", "noisy"])
+def test_sessions_of_one_plan_share_their_compilations(tiny_llama, kind, monkeypatch):
+    """What a GPU session compiles (its prefill, then its FlexAttention round), counted per function by
+    dynamo: a second and a third Session of the same plan compile nothing new. (The first Session's round
+    switches the shared model to the registered attention function, which compiled prefills guard on: before
+    Sessions routed attention ahead of compiling, the second Session compiled its prefill again.)"""
+    from torch._dynamo.testing import CompileCounter
+
+    counters: dict = {}
+    gpu_session_on_the_cpu(monkeypatch, lambda fn: counters.setdefault(fn.__name__, CompileCounter()))
     compiled_round.cache_clear()
     torch._dynamo.reset()
     try:
@@ -1217,25 +1226,10 @@ def test_batch_sessions_compile_their_prefills_once_for_two_or_more_rows(tiny_ll
     """A batched GPU Session compiles its prefills as one-row Sessions do: prefills of 4 and 2 rows share one
     compilation (rows symbolic), one row compiles its own; every started row holds what an eager prefill of
     its prompt leaves (first token, root, cache slots)."""
-    import fsd_eagle.decode as decode_module
     from torch._dynamo.testing import CompileCounter
 
-    compile_fn, counter = torch.compile, CompileCounter()
-
-    def counted(fn, **kwargs):  # dynamo alone (no inductor)
-        return compile_fn(fn, backend=counter, **kwargs)
-
-    def capture(fn, state, pool=None):  # a "capture" on the CPU: runs fn (compiling it) and restores the state
-        saved = [t.clone() for t in state]
-        out = fn()
-        for t, v in zip(state, saved):
-            t.copy_(v)
-        return _Replay(fn, out), out
-
-    monkeypatch.setattr(torch, "compile", counted)
-    monkeypatch.setattr(decode_module, "capture", capture)
-    monkeypatch.setattr(session_module, "capture", capture)
-    compiled_prefill.cache_clear()
+    counter = CompileCounter()
+    gpu_session_on_the_cpu(monkeypatch, lambda fn: counter)
     torch._dynamo.reset()
     try:
         cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
