@@ -40,24 +40,7 @@ def sequence_nll(model, prompt_ids: Sequence[int], output_ids: Sequence[int]) ->
     read in float32 (any final logit soft-capping is part of the model's own forward). Only the output
     positions' logits are kept when the model supports ``logits_to_keep``. An empty output gives (0.0, 0).
     """
-    prompt, output = [int(t) for t in prompt_ids], [int(t) for t in output_ids]
-    n = len(output)
-    if n == 0:
-        return 0.0, 0
-    if not prompt:
-        raise InputError("sequence_nll needs at least one prompt token (the first output token is conditioned on it)")
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt + output], dtype=torch.long, device=device)
-    kwargs = {"use_cache": False}
-    if _accepts_logits_to_keep(model):
-        kwargs["logits_to_keep"] = n + 1
-    logits = model(input_ids=ids, **kwargs).logits[0]
-    # The logits at position i predict token i + 1: the output tokens are predicted by positions P-1 .. P+n-2.
-    logits = logits[-(n + 1):-1].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    targets = ids[0, -n:]
-    nll = -logp.gather(1, targets[:, None]).squeeze(1)
-    return float(nll.sum()), n
+    return sequences_nll(model, [(prompt_ids, output_ids)])[0]
 
 
 @torch.no_grad()
@@ -103,7 +86,9 @@ def sequences_nll(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *
             mask[r, width - len(s):] = 1
         ids, mask = ids.to(device), mask.to(device)
         keep = max(len(pairs[i][1]) for i in rows) + 1
-        kwargs = {"use_cache": False, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+        kwargs = {"use_cache": False}
+        if any(len(s) < width for s in seqs):  # padded: mask the padding, count positions from each row's first token
+            kwargs.update(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
         if keeps:
             kwargs["logits_to_keep"] = keep
         logits = model(input_ids=ids, **kwargs).logits  # [R, keep or width, V]
