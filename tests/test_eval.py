@@ -773,7 +773,8 @@ def test_speed_compares_several_trees_in_one_run(folders, tmp_path):
     assert rows["eagle2_4-2-2_graph"]["tree"] == "4/2/2" and rows["ar_graph"]["tree"] == "ar"
     assert rows["eagle2_4-2-2_graph"]["agreement_vs_ar"] == 1.0 == rows["eagle2_6-3-2_graph"]["agreement_vs_ar"]
     sampled = rows["eagle2_4-2-2_graph_t0.7"]
-    assert sampled["vs_greedy"] == round(sampled["tokens_per_s"] / rows["eagle2_4-2-2_graph"]["tokens_per_s"], 3)
+    # vs_greedy is the ratio of the unrounded speeds: within rounding of the ratio of the printed (rounded) ones
+    assert abs(sampled["vs_greedy"] - sampled["tokens_per_s"] / rows["eagle2_4-2-2_graph"]["tokens_per_s"]) < 1.5e-3
     assert result["meta"]["trees"] == ["6/3/2", "4/2/2"] and result["meta"]["tree"]["total_tokens"] == 6
     with pytest.raises(SystemExit, match="--trees"):
         eval_main(["speed", "--device", "cpu", "--trees", "6/3", "--out", str(tmp_path / "x.json")])
