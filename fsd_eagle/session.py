@@ -62,8 +62,8 @@ class HostCopy:
     @classmethod
     def of(cls, tensor: torch.Tensor, buf: torch.Tensor | None = None):
         """Start copying ``tensor`` to the host (into ``buf``, a pinned buffer of its shape, if given)."""
-        if not tensor.is_cuda:
-            return cls(tensor.cpu())
+        if not tensor.is_cuda:  # a static output buffer (``buf`` given: a replayed graph's) is read later: copied
+            return cls(tensor.cpu() if buf is None else buf.copy_(tensor))
         buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if buf is None else buf
         buf.copy_(tensor, non_blocking=True)
         event = torch.cuda.Event()
@@ -350,7 +350,7 @@ class Session:
                 graph, output = self.graph
                 graph.replay()
                 if len(self.host) != 2 or self.host[0].shape != output.shape:
-                    self.host = [torch.empty(output.shape, dtype=output.dtype, pin_memory=True) for _ in range(2)]
+                    self.host = [torch.empty(output.shape, dtype=output.dtype, pin_memory=output.is_cuda) for _ in range(2)]
                 buf = self.host[self.turn]
                 self.turn ^= 1
                 return PendingRound.of(output, buf)

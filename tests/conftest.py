@@ -211,3 +211,52 @@ def spy_generate(monkeypatch, counts, value) -> list:
 
     monkeypatch.setattr(SpeculativeGenerator, "generate", spying)
     return calls
+
+
+def has_cpu_compiler() -> bool:
+    """Whether torch.compile can build CPU code here (inductor needs g++ and the Python headers)."""
+    import shutil
+    import sysconfig
+
+    include = sysconfig.get_paths().get("include", "")
+    return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
+
+
+class _Replay:
+    """Stands in for a captured CUDA graph on the CPU: replaying calls the function again."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        fresh = self.fn()
+        torch.utils._pytree.tree_map(lambda o, f: o.copy_(f) if isinstance(o, torch.Tensor) else None, self.out, fresh)
+
+    def pool(self):  # a CUDA graph's memory pool handle (none on the CPU)
+        return None
+
+
+def gpu_session_on_the_cpu(monkeypatch, backend_of) -> None:
+    """What a GPU Session compiles and captures, run on the CPU: torch.compile with the backend
+    ``backend_of(fn)`` (e.g. a frame counter for dynamo alone, or "inductor") and a stand-in capture that runs
+    the function once (compiling it), restores the state and replays by calling it again; the compiled
+    prefill is made afresh. A Session then runs as on a GPU once its ``use_graph`` and ``compile`` are set."""
+    import fsd_eagle.decode as decode_module
+    import fsd_eagle.session as session_module
+
+    compile_fn = torch.compile
+
+    def counted(fn, **kwargs):
+        return compile_fn(fn, backend=backend_of(fn), **kwargs)
+
+    def capture(fn, state, pool=None):
+        saved = [t.clone() for t in state]
+        out = fn()
+        for t, v in zip(state, saved):
+            t.copy_(v)
+        return _Replay(fn, out), out
+
+    monkeypatch.setattr(torch, "compile", counted)
+    monkeypatch.setattr(decode_module, "capture", capture)
+    monkeypatch.setattr(session_module, "capture", capture)
+    decode_module.compiled_prefill.cache_clear()

@@ -22,7 +22,7 @@ from fsd_eagle.schedule import Request, Scheduler, decode, start_order
 from fsd_eagle.session import Plan, Session, prefill_groups, prefill_rows_for, prefill_sizes, session_rows
 from fsd_eagle.verify import AcceptanceRule
 
-from conftest import chi_square_pvalue, reference_probs, tiny_model
+from conftest import chi_square_pvalue, gpu_session_on_the_cpu, has_cpu_compiler, reference_probs, tiny_model
 
 GREEDY = AcceptanceRule()
 
@@ -387,5 +387,38 @@ def test_batched_rounds_with_flex_attention_decode_as_alone(arch):
     for i, tokens in scheduler.run():
         out[i] += tokens
     assert session.target.attention == "flex"
+    for p, got in zip(ps, out):
+        assert got == alone(eng, plan, p, 40)
+
+
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+def test_a_compiled_batch_session_with_flex_attention_decodes_as_alone(monkeypatch):
+    """A batch Session run as on a GPU with ``compile=True`` (prefills and the round compiled by inductor,
+    the round's tree attention FlexAttention, graphs replayed: ``gpu_session_on_the_cpu``): 6 prompts of
+    90-150 tokens through 3 rows, refilled and crossing 128-slot blocks as in the test above; every output
+    equals the prompt decoded alone, eagerly with SDPA."""
+    from fsd_eagle.decode import compiled_prefill, compiled_round
+
+    gpu_session_on_the_cpu(monkeypatch, lambda fn: "inductor")
+    compiled_round.cache_clear()
+    torch._dynamo.reset()
+    try:
+        eng = engine("llama", "head")
+        plan = Plan(TREE, GREEDY.form, drafting=True, batch=3, graphs=True, compile=True)
+        gen = torch.Generator().manual_seed(5)
+        ps = [torch.randint(0, eng.target.vocab_size, (int(torch.randint(90, 151, (1,), generator=gen)),),
+                            generator=gen) for _ in range(6)]
+        session = Session(eng, plan)
+        session.use_graph, session.compile, session.attention = True, True, "flex"  # a GPU session's
+        scheduler = Scheduler(session, [Request(p, 40, GREEDY) for p in ps])
+        out: list[list[int]] = [[] for _ in ps]
+        for i, tokens in scheduler.run():
+            out[i] += tokens
+        assert (session.mode, session.attention, session.target.attention) == ("compiled", "flex", "flex")
+    finally:
+        compiled_round.cache_clear()
+        compiled_prefill.cache_clear()
+        torch._dynamo.reset()
     for p, got in zip(ps, out):
         assert got == alone(eng, plan, p, 40)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
+from conftest import has_cpu_compiler
 from fsd_eagle import compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,11 +32,6 @@ print(json.dumps({"loaded": loaded, "stored": size, "hits": counters["inductor"]
 """
 
 
-def _has_cpu_compiler() -> bool:
-    include = sysconfig.get_paths().get("include", "")
-    return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
-
-
 def _child(tmp_path: Path, local_cache: str, mode: str, env_file: Path | None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / local_cache),
            "OMP_NUM_THREADS": "1"}
@@ -49,7 +43,7 @@ def _child(tmp_path: Path, local_cache: str, mode: str, env_file: Path | None) -
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 def test_a_fresh_machine_that_loads_the_file_compiles_from_cache_hits(tmp_path):
     kernels = tmp_path / "out" / "kernels.bin"
     first = _child(tmp_path, "machine_a", "restore", kernels)

@@ -9,9 +9,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import shutil
-import sysconfig
 from collections import Counter
 from itertools import product
 
@@ -21,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsd_eagle.verify as verify_module
-from conftest import tiny_model
+from conftest import gpu_session_on_the_cpu, has_cpu_compiler, tiny_model
 from fsd_eagle.attention import BACKENDS, FLEX_BLOCK, _block_mask
 from fsd_eagle.cache import SlotMask
 from fsd_eagle.config import SamplingConfig, TreeConfig
@@ -1119,12 +1116,7 @@ def test_a_round_flex_cannot_capture_switches_to_sdpa(tiny_llama, monkeypatch):
     assert out == reference_greedy(model, prompt, 12)
 
 
-def _has_cpu_compiler() -> bool:
-    include = sysconfig.get_paths().get("include", "")
-    return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
-
-
-@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 def test_compiled_prefill_equals_the_eager_one(tiny_llama):
     """What compiled GPU runners capture for a padded prompt (decode.compiled_prefill) leaves the same
     prefix, caches and roots as the eager prefill."""
@@ -1149,44 +1141,6 @@ def test_compiled_prefill_equals_the_eager_one(tiny_llama):
                         drafter.cache.values[..., :n, :].clone()))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
-
-
-class _Replay:
-    """Stands in for a captured CUDA graph on the CPU: replaying calls the function again."""
-
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-
-    def replay(self):
-        fresh = self.fn()
-        torch.utils._pytree.tree_map(lambda o, f: o.copy_(f) if isinstance(o, torch.Tensor) else None, self.out, fresh)
-
-    def pool(self):  # a CUDA graph's memory pool handle (none on the CPU)
-        return None
-
-
-def gpu_session_on_the_cpu(monkeypatch, backend_of) -> None:
-    """What a GPU Session compiles and captures, run on the CPU: torch.compile with dynamo alone (the backend
-    ``backend_of(fn)``, e.g. a frame counter) and a stand-in capture that runs the function once (compiling
-    it), restores the state and replays by calling it again; the compiled prefill is made afresh."""
-    import fsd_eagle.decode as decode_module
-
-    compile_fn = torch.compile
-
-    def counted(fn, **kwargs):
-        return compile_fn(fn, backend=backend_of(fn), **kwargs)
-
-    def capture(fn, state, pool=None):
-        saved = [t.clone() for t in state]
-        out = fn()
-        for t, v in zip(state, saved):
-            t.copy_(v)
-        return _Replay(fn, out), out
-
-    monkeypatch.setattr(torch, "compile", counted)
-    monkeypatch.setattr(decode_module, "capture", capture)
-    monkeypatch.setattr(session_module, "capture", capture)
-    compiled_prefill.cache_clear()
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
@@ -1277,7 +1231,7 @@ def test_a_round_is_one_graph_for_dynamo(tiny_llama, backend):
     assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
 
 
-@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.parametrize("kind", ["noisy", "eagle"])
 def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_sizes(tiny_llama, kind):
     """Batch sessions' compiled round (``compiled_round(True)``), with a draft model or a head: every row's
@@ -1305,7 +1259,7 @@ def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_s
     assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs  # batches 3 and 5 reused batch 2's compilation
 
 
-@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.parametrize("window", [None, 64])
 def test_flex_block_lists_keep_a_symbolic_batch_size(window):
     """FlexAttention's block lists (``_block_mask``), compiled as batched rounds are (batch dimension marked
@@ -1334,7 +1288,7 @@ def test_flex_block_lists_keep_a_symbolic_batch_size(window):
     assert counters["stats"]["unique_graphs"] - start == 1
 
 
-@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("backend,draft_vocab,freeze", [("sdpa", 0, False), ("flex", 0, False), ("sdpa", 64, False),
                                                         ("sdpa", 0, True)])

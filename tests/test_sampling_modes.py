@@ -29,12 +29,12 @@ from fsd_eagle.schedule import decode
 from fsd_eagle.session import PendingRound, Plan, Session
 from fsd_eagle.verify import AcceptanceRule
 
-from conftest import chi_square_pvalue, decode_all, make_session, tiny_model
-from test_engine import BROKEN, STAT_TREE, _has_cpu_compiler, exact_pair_distribution, make_stat_setup, noisy_copy
+from conftest import chi_square_pvalue, decode_all, has_cpu_compiler, make_session, tiny_model
+from test_engine import BROKEN, STAT_TREE, exact_pair_distribution, make_stat_setup, noisy_copy
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-needs_compiler = pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+needs_compiler = pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 
 
 # ------------------------------------------------------------------------------ 1. the random stream

@@ -21,8 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_api import make_tokenizer  # noqa: E402
 
-from conftest import tiny_model  # noqa: E402
-from test_engine import _has_cpu_compiler  # noqa: E402
+from conftest import has_cpu_compiler, tiny_model  # noqa: E402
 
 ARCHS = ("llama", "qwen3")
 PROMPTS = (list(range(3, 20)), list(range(40, 49)))
@@ -233,7 +232,7 @@ def test_collectives_per_forward(folders):
 
 
 @pytest.mark.skipif(gloo_tensor_parallel() is not None, reason=str(gloo_tensor_parallel()))
-@pytest.mark.skipif(not _has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 def test_two_ranks_compiled_rounds_decode_what_one_decodes(folders):
     """Compiled rounds and prefills of a target sharded over two ranks (dynamo traces the row-parallel sums)
     decode what the unsharded target decodes eagerly, AR and EAGLE-2, greedy and sampled with a seed (the

@@ -4,6 +4,13 @@
     python eval/device/batch_check.py exact-compiled   # the same with compiled rounds and prefills
     python eval/device/batch_check.py graph            # bf16 graph rounds: AR and EAGLE-2 tokens/s at batch 1, 8, 32
     python eval/device/batch_check.py speed,b1,b8      # bf16 compiled rounds at the batch sizes named (b1 b8 b32)
+    python eval/device/batch_check.py lengths          # batched AR vs EAGLE-2 outputs (see below)
+
+``lengths``: AR and EAGLE-2 in the default dtype (compiled on a GPU) on the prompts of ``python -m eval batch``
+(every k-th of the 480 for PROMPTS=n, default all), NEW_TOKENS (256) each, at each batch size of BATCHES
+(default 8): new tokens per configuration and how many outputs equal the first configuration's (AR at the
+first batch size). Greedy EAGLE-2 is AR's output up to floating-point differences between shapes, so totals
+far apart point at a bug rather than at rounding. Runs on the CPU too (RES=<folder>).
 
 Each configuration is warmed up on every prompt (a 4-token pass: every prefill bucket captured, the round
 compiled) before the timed pass; results are appended to $RES/check.jsonl (default /root/res). The full
@@ -18,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fsd_eagle import SpeculativeGenerator  # noqa: E402
+from eval.batch import load_prompts  # noqa: E402
 from eval.tasks import load_mt_bench  # noqa: E402
 
 RES = os.environ.get("RES", "/root/res")
@@ -62,6 +70,24 @@ def measure(g, ar, bs, tag):
         attention=res[0].stats.attention, warm_s=round(warm, 1),
         mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
 
+
+if "lengths" in steps:
+    n = int(os.environ.get("PROMPTS", "480"))
+    new = int(os.environ.get("NEW_TOKENS", "256"))
+    chosen = load_prompts(480)[::max(1, 480 // n)][:n]
+    g = SpeculativeGenerator.load(compile=torch.cuda.is_available())
+    reference = None
+    for bs in [int(b) for b in os.environ.get("BATCHES", "8").split(",")]:
+        for ar in (True, False):
+            t = time.perf_counter()
+            res = g.generate(chosen, max_new_tokens=new, batch_size=bs, autoregressive=ar)
+            ids = [r.token_ids for r in res]
+            reference = reference or ids
+            log(step="lengths", ar=ar, batch=bs, prompts=len(chosen), max_new_tokens=new, dtype=str(g.target.dtype),
+                mode=res[0].stats.mode, new_tokens=sum(len(x) for x in ids),
+                same_as_first=sum(a == b for a, b in zip(reference, ids)), s=round(time.perf_counter() - t, 1))
+        g.release()
+    del g
 
 if "graph" in steps:
     g = SpeculativeGenerator.load()
