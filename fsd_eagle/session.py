@@ -350,7 +350,8 @@ class Session:
                 graph, output = self.graph
                 graph.replay()
                 if len(self.host) != 2 or self.host[0].shape != output.shape:
-                    self.host = [torch.empty(output.shape, dtype=output.dtype, pin_memory=output.is_cuda) for _ in range(2)]
+                    self.host = [torch.empty(output.shape, dtype=output.dtype, pin_memory=output.is_cuda)
+                                 for _ in range(2)]
                 buf = self.host[self.turn]
                 self.turn ^= 1
                 return PendingRound.of(output, buf)

@@ -7,6 +7,8 @@ share one instance each (treat them as read-only: ``copy.deepcopy`` before chang
 from __future__ import annotations
 
 import os
+import shutil
+import sysconfig
 from collections import Counter
 
 import pytest
@@ -215,9 +217,6 @@ def spy_generate(monkeypatch, counts, value) -> list:
 
 def has_cpu_compiler() -> bool:
     """Whether torch.compile can build CPU code here (inductor needs g++ and the Python headers)."""
-    import shutil
-    import sysconfig
-
     include = sysconfig.get_paths().get("include", "")
     return shutil.which("g++") is not None and os.path.isfile(os.path.join(include, "Python.h"))
 
