@@ -348,6 +348,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling: prompt i is decoded with seed + i")
     add_tree_arguments(p)
     p.add_argument("--compile", action="store_true", help="compile rounds with torch.compile (GPU)")
+    p.add_argument("--attention", choices=("sdpa", "flex"),
+                   help="tree attention of compiled rounds (default: the library's choice per batch size, "
+                        "SpeculativeGenerator.use_attention)")
     p.add_argument("--warmup", type=int, nargs="?", const=1, default=1, metavar="N",
                    help="untimed batches of the longest prompts per configuration before its timed run, then a "
                         "2-token pass over every prompt (prefill graphs), so that graph capture and compilation "
@@ -380,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads,
                                     compile=a.compile)
+    gen.use_attention(a.attention)
     tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab)
     dev = gen.target.device
     output = Path(a.output) if a.output else ROOT / "eval" / "results" / (
@@ -390,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": torch.get_num_threads(),
                 "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "hf_limit": a.hf_limit,
                 "temperature": a.temperature, "top_p": a.top_p if a.temperature else 1.0, "seed": a.seed,
-                "tree": tree.to_dict(), "compile": a.compile, "inductor_freezing": freezing(), "warmup": a.warmup}
+                "tree": tree.to_dict(), "compile": a.compile, "attention": a.attention, "inductor_freezing": freezing(),
+                "warmup": a.warmup}
     meta = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m eval batch " + " ".join(argv), "git_commit": a.code or git_commit(),
             **versions(), "device": device, "dtype": dtype}

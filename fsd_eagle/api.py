@@ -217,8 +217,9 @@ class SpeculativeGenerator:
         return self.drafter is not None and self.drafter.ranks_vocab
 
     def use_attention(self, backend: str | None) -> None:
-        """Preferred tree attention of compiled rounds: "sdpa", "flex" or None (the default: "flex" where the
-        model allows it, measured fastest for compiled GPU rounds). Rounds that are not compiled always use
+        """Preferred tree attention of compiled rounds: "sdpa", "flex" or None (the default: "flex" for one
+        prompt at a time where the model allows it, measured fastest for compiled GPU rounds; "sdpa" for
+        batches, see ``decode.round_attention``). Rounds that are not compiled always use
         SDPA: uncompiled FlexAttention is a slow reference. Each result's ``stats.attention`` says what ran;
         see fsd_eagle.attention."""
         if backend is not None:

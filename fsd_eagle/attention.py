@@ -42,7 +42,7 @@ def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype):
     """``mask`` in the form ``attend`` takes for ``backend`` (its cache size a multiple of FLEX_BLOCK for
     "flex")."""
     if backend == "flex":
-        return _block_mask(mask)
+        return block_mask(mask)
     neg = torch.finfo(dtype).min
     dense = mask.dense()
     return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg).unsqueeze(1)
@@ -83,12 +83,19 @@ def _flex_options(q: torch.Tensor) -> dict | None:
     return {"BLOCK_M": 16}
 
 
-def _block_mask(mask: SlotMask):
+def block_mask(mask: SlotMask, shared: bool | None = None):
     """A FlexAttention BlockMask (forward only: no q-block lists, which only the backward reads). Blocks
     wholly inside the committed prefix are "full" (no mask lookup), the blocks from the prefix's last one to
     the end of the new rows "partial" (the dense mask decides), the rest skipped; with a sliding window
     every block up to the new rows is partial. The lists come from ``mask.prefix`` by arithmetic: a round
-    builds a mask per draft level, and reductions and sorts over dense block flags cost ~8 kernels each."""
+    builds a mask per draft level, and reductions and sorts over dense block flags cost ~8 kernels each.
+
+    ``shared`` (default: with more than one batch row): one pair of lists for all rows (the BlockMask's
+    batch size is 1), the union of the rows' own: full are the blocks that every row's prefix covers whole,
+    partial the blocks from there to the last one any row reaches, so a row may scan blocks that its mask
+    then hides. Per-row lists (``shared=False``) skip more, but in batched rounds compiled on an H100 they
+    decoded rows differently from alone (float32, 2026-11-28; docs/benchmark-history.md), which the CPU
+    cannot show (its kernel reads no lists); with shared lists the kernel reads no list per row."""
     from torch.nn.attention.flex_attention import BlockMask
 
     (b, n, m), s = mask.anc.shape, mask.max_len
@@ -99,15 +106,18 @@ def _block_mask(mask: SlotMask):
     last = (mask.prefix + m - 1) // FLEX_BLOCK  # [B]
     windowed = mask.window is not None
     full = torch.zeros_like(mask.prefix) if windowed else mask.prefix // FLEX_BLOCK  # [B]
+    rows = b
+    if b > 1 if shared is None else shared:
+        last, full, rows = last.amax(0, keepdim=True), full.amin(0, keepdim=True), 1
 
     def lists(count: torch.Tensor, first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """count [B, 1, nq] and indices [B, 1, nq, nk]: blocks first, first + 1, ... (in range) per row; blocks
-        0, 1, ... where ``first`` is None. (Not cols plus a zero tensor: inductor drops such an addition after
-        comparing its shape [B, nk] with cols' [nk], and the comparison fixes a symbolic batch size B to nk
-        where the two are equal, so that each batch size compiles again.)"""
-        index = cols.expand(b, nk) if first is None else (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
-        return (count.to(torch.int32).view(b, 1, 1).expand(b, 1, nq).contiguous(),
-                index.view(b, 1, 1, nk).expand(b, 1, nq, nk).contiguous())
+        """count [R, 1, nq] and indices [R, 1, nq, nk] (R: the lists' rows): blocks first, first + 1, ... (in
+        range) per row; blocks 0, 1, ... where ``first`` is None. (Not cols plus a zero tensor: inductor drops
+        such an addition after comparing its shape [B, nk] with cols' [nk], and the comparison fixes a
+        symbolic batch size B to nk where the two are equal, so that each batch size compiles again.)"""
+        index = cols.expand(rows, nk) if first is None else (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
+        return (count.to(torch.int32).view(rows, 1, 1).expand(rows, 1, nq).contiguous(),
+                index.view(rows, 1, 1, nk).expand(rows, 1, nq, nk).contiguous())
 
     dense = mask.dense(nq * FLEX_BLOCK)  # whole query blocks: the kernel evaluates whole tiles
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import functools
 import os
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -303,11 +305,13 @@ def compiled_prefill():
     return _compile(prefill, dynamic=True)
 
 
-def round_attention(compiled: bool, config, preferred: str | None = None) -> str:
+def round_attention(compiled: bool, config, preferred: str | None = None, rows: int = 1) -> str:
     """The tree attention of a session's rounds: FlexAttention only where the round is compiled (eager
     FlexAttention is a slow reference), and only for models it fits; else SDPA. ``preferred``: a user's
-    choice ("sdpa" or "flex", None: flex where it applies, measured fastest for compiled GPU rounds)."""
-    if compiled and preferred in (None, "flex") and flex_supported(config):
+    choice ("sdpa" or "flex"; None: flex for one-row rounds, measured fastest for compiled GPU rounds, and
+    SDPA for ``rows`` > 1: batched rounds compiled with FlexAttention decoded rows differently from alone on
+    an H100, which no CPU run can check, see ``attention.block_mask``)."""
+    if compiled and flex_supported(config) and (preferred == "flex" or (preferred is None and rows == 1)):
         return "flex"
     return "sdpa"
 
@@ -346,9 +350,21 @@ def capture(fn, state: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGr
         torch.cuda.synchronize()
         for t, v in zip(state, saved):
             t.copy_(v)
-        warnings.warn(f"CUDA graph capture failed: {str(e).splitlines()[0]}")
+        warnings.warn(f"CUDA graph capture failed: {failure(e)}")
         return None
     return graph, out
+
+
+def failure(e: BaseException) -> str:
+    """One line on why ``e`` was raised: its first line and, from the innermost exception it wraps (inductor
+    wraps its own errors, often an assertion without a message), that one's type and the file and line
+    where it was raised."""
+    inner = e
+    while (wrapped := inner.__cause__ or getattr(inner, "inner_exception", None)) is not None:
+        inner = wrapped
+    where = traceback.extract_tb(inner.__traceback__)
+    place = f" ({type(inner).__name__} at {Path(where[-1].filename).name}:{where[-1].lineno})" if where else ""
+    return (str(e).splitlines() or [type(e).__name__])[0] + place
 
 
 def _next_tokens(tree: DraftTree, verdict: Verdict) -> torch.Tensor:

@@ -228,7 +228,7 @@ class Session:
         self.row_ids = torch.arange(self.batch, device=dev)  # index tensors, made once
         self.use_graph = plan.graphs and dev.type == "cuda"
         self.compile = plan.compile and self.use_graph
-        self.attention = round_attention(self.compile, self.target.config, plan.attention)
+        self.attention = round_attention(self.compile, self.target.config, plan.attention, self.batch)
         self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # (graph, its output buffer)
         self.captured_for: tuple = ()
         self.host: list[torch.Tensor] = []  # two pinned output buffers, used in turn (two rounds in flight)

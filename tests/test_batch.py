@@ -393,11 +393,13 @@ def test_batched_rounds_with_flex_attention_decode_as_alone(arch):
 
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-def test_a_compiled_batch_session_with_flex_attention_decodes_as_alone(monkeypatch):
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_a_compiled_batch_session_decodes_as_alone(monkeypatch, attention):
     """A batch Session run as on a GPU with ``compile=True`` (prefills and the round compiled by inductor,
-    the round's tree attention FlexAttention, graphs replayed: ``gpu_session_on_the_cpu``): 6 prompts of
-    90-150 tokens through 3 rows, refilled and crossing 128-slot blocks as in the test above; every output
-    equals the prompt decoded alone, eagerly with SDPA."""
+    graphs replayed: ``gpu_session_on_the_cpu``), with either tree attention (SDPA is a GPU batch
+    Session's default, FlexAttention a user's choice): 6 prompts of 90-150 tokens through 3 rows, refilled
+    and crossing 128-slot blocks as in the test above; every output equals the prompt decoded alone,
+    eagerly with SDPA."""
     from fsd_eagle.decode import compiled_prefill, compiled_round
 
     gpu_session_on_the_cpu(monkeypatch, lambda fn: "inductor")
@@ -410,15 +412,29 @@ def test_a_compiled_batch_session_with_flex_attention_decodes_as_alone(monkeypat
         ps = [torch.randint(0, eng.target.vocab_size, (int(torch.randint(90, 151, (1,), generator=gen)),),
                             generator=gen) for _ in range(6)]
         session = Session(eng, plan)
-        session.use_graph, session.compile, session.attention = True, True, "flex"  # a GPU session's
+        session.use_graph, session.compile, session.attention = True, True, attention  # a GPU session's
         scheduler = Scheduler(session, [Request(p, 40, GREEDY) for p in ps])
         out: list[list[int]] = [[] for _ in ps]
         for i, tokens in scheduler.run():
             out[i] += tokens
-        assert (session.mode, session.attention, session.target.attention) == ("compiled", "flex", "flex")
+        assert (session.mode, session.attention, session.target.attention) == ("compiled", attention, attention)
     finally:
         compiled_round.cache_clear()
         compiled_prefill.cache_clear()
         torch._dynamo.reset()
     for p, got in zip(ps, out):
         assert got == alone(eng, plan, p, 40)
+
+
+def test_batches_compile_with_sdpa_unless_flex_is_asked_for():
+    """The tree attention a Session's compiled rounds get: FlexAttention for one row, SDPA for a batch (its
+    FlexAttention form is checked on a GPU by eval/device/flex_check.py), FlexAttention for a batch only when
+    asked for; uncompiled rounds always SDPA."""
+    from fsd_eagle.decode import round_attention
+
+    config = engine("llama", "head").target.config
+    assert round_attention(True, config) == "flex"
+    assert round_attention(True, config, None, rows=8) == "sdpa"
+    assert round_attention(True, config, "flex", rows=8) == "flex"
+    assert round_attention(True, config, "sdpa", rows=1) == "sdpa"
+    assert round_attention(False, config, "flex", rows=1) == "sdpa"

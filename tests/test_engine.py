@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import fsd_eagle.verify as verify_module
 from conftest import gpu_session_on_the_cpu, has_cpu_compiler, tiny_model
-from fsd_eagle.attention import BACKENDS, FLEX_BLOCK, _block_mask
+from fsd_eagle.attention import BACKENDS, FLEX_BLOCK, block_mask
 from fsd_eagle.cache import SlotMask
 from fsd_eagle.config import SamplingConfig, TreeConfig
 from fsd_eagle.decode import (DecodeStats, RoundState, compiled_prefill, compiled_round, plan_cache, prefill,
@@ -192,11 +192,12 @@ def test_greedy_decoding_is_exact_with_flex_attention(arch):
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 140), m_extra=st.integers(0, 30), prefix=st.integers(0, 400), window=st.sampled_from([None, 5, 200]),
-       seed=st.integers(0, 10_000))
-def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed):
+       seed=st.integers(0, 10_000), shared=st.booleans())
+def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed, shared):
     """SlotMask.dense is the mask spelled out (committed slots, then the new slots by anc, then a window on
     positions), and the FlexAttention block lists cover it: a "full" block is seen whole by every row, a
-    skipped block by none. Two batch rows with other prefixes, trees and positions, each checked alone."""
+    skipped block by none. Two batch rows with other prefixes, trees and positions, each checked alone,
+    against its own lists or against the one pair of lists both share."""
     gen = torch.Generator().manual_seed(seed)
     m = n + m_extra if window is None else n  # a windowed mask's new slots are its own rows
     prefixes = [prefix, int(torch.randint(0, prefix + 1, (1,), generator=gen))]
@@ -208,8 +209,9 @@ def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed):
         mask = mask.windowed(positions, window)
     dense = mask.dense()
     assert dense.shape == (2, n, slots)
-    block = _block_mask(mask)
+    block = block_mask(mask, shared)
     lists = ((block.kv_num_blocks, block.kv_indices), (block.full_kv_num_blocks, block.full_kv_indices))
+    assert block.kv_indices.shape[0] == (1 if shared else 2)
     for b, pre in enumerate(prefixes):
         ref = torch.zeros(n, slots, dtype=torch.bool)
         ref[:, :pre] = True
@@ -223,7 +225,8 @@ def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed):
             rows = ref[q_block * FLEX_BLOCK: (q_block + 1) * FLEX_BLOCK].view(-1, slots // FLEX_BLOCK, FLEX_BLOCK)
             listed = torch.zeros(slots // FLEX_BLOCK, dtype=torch.bool)
             for full, (count, index) in enumerate(lists):
-                chosen = index[b, 0, q_block, : int(count[b, 0, q_block])].long()
+                r = 0 if shared else b
+                chosen = index[r, 0, q_block, : int(count[r, 0, q_block])].long()
                 assert not listed[chosen].any()  # a block is either full or partial
                 listed[chosen] = True
                 assert not full or rows[:, chosen].all()
@@ -1261,17 +1264,18 @@ def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_s
 
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.parametrize("window", [None, 64])
-def test_flex_block_lists_keep_a_symbolic_batch_size(window):
-    """FlexAttention's block lists (``_block_mask``), compiled as batched rounds are (batch dimension marked
-    dynamic), equal the eager lists, and nothing fixes the batch size, not even where it equals the number
-    of key blocks (2 here): batch 3 reuses batch 2's compilation."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_flex_block_lists_keep_a_symbolic_batch_size(window, shared):
+    """FlexAttention's block lists (``block_mask``, per row or shared), compiled as batched rounds are (batch
+    dimension marked dynamic), equal the eager lists, and nothing fixes the batch size, not even where it
+    equals the number of key blocks (2 here): batch 3 reuses batch 2's compilation."""
     from torch._dynamo.utils import counters
 
     from fsd_eagle.decode import _compile
 
     def lists(prefix, anc, positions):
         mask = SlotMask(prefix, anc, 2 * FLEX_BLOCK)
-        block = _block_mask(mask if window is None else mask.windowed(positions, window))
+        block = block_mask(mask if window is None else mask.windowed(positions, window), shared)
         return block.kv_num_blocks, block.kv_indices, block.full_kv_num_blocks, block.full_kv_indices
 
     torch._dynamo.reset()
@@ -1359,3 +1363,30 @@ def test_prefill_attention_reads_only_the_prompts_slots(monkeypatch):
     drafter.allocate(256, TreeConfig(total_tokens=8, depth=3, top_k=2))
     drafter.prefill(torch.cat([tokens, tokens[:, :1]], 1), features)
     assert keys == [10]
+
+
+def test_a_failed_capture_says_where_the_wrapped_error_was_raised():
+    """decode.failure: the wrapper's first line, and the innermost wrapped exception's type, file and line
+    (inductor wraps its assertions, which often have no message), through ``__cause__`` or
+    ``inner_exception``."""
+    from fsd_eagle.decode import failure
+
+    class Wrapped(RuntimeError):
+        def __init__(self, inner):
+            super().__init__("backend compiler failed\nmore lines")
+            self.inner_exception = inner
+
+    def check():
+        assert 1 + 1 == 3
+
+    for chain in ("cause", "inner"):
+        try:
+            try:
+                check()
+            except AssertionError as e:
+                if chain == "cause":
+                    raise RuntimeError("backend compiler failed") from e
+                raise Wrapped(e) from None
+        except RuntimeError as e:
+            line = check.__code__.co_firstlineno + 1
+            assert failure(e) == f"backend compiler failed (AssertionError at test_engine.py:{line})"

@@ -12,6 +12,9 @@
 first batch size). Greedy EAGLE-2 is AR's output up to floating-point differences between shapes, so totals
 far apart point at a bug rather than at rounding. Runs on the CPU too (RES=<folder>).
 
+ATTENTION=sdpa or flex: the tree attention of compiled rounds in ``exact-compiled`` and ``lengths`` (default:
+the library's choice, ``SpeculativeGenerator.use_attention``); ``exact*`` log which prompts differ.
+
 Each configuration is warmed up on every prompt (a 4-token pass: every prefill bucket captured, the round
 compiled) before the timed pass; results are appended to $RES/check.jsonl (default /root/res). The full
 benchmark with the transformers baseline is ``python -m eval batch``."""
@@ -29,6 +32,7 @@ from eval.batch import load_prompts  # noqa: E402
 from eval.tasks import load_mt_bench  # noqa: E402
 
 RES = os.environ.get("RES", "/root/res")
+ATTENTION = os.environ.get("ATTENTION") or None  # compiled rounds' tree attention (None: the library's choice)
 os.makedirs(RES, exist_ok=True)
 
 
@@ -45,12 +49,14 @@ for step in ("exact", "exact-compiled"):
     if step not in steps:
         continue
     g = SpeculativeGenerator.load(dtype="float32", compile=step == "exact-compiled")
+    g.use_attention(ATTENTION)
     for ar in (False, True):
         t = time.perf_counter()
         alone = [g.generate(p, max_new_tokens=64, autoregressive=ar).token_ids for p in prompts[:16]]
         many = g.generate(prompts[:16], max_new_tokens=64, batch_size=8, autoregressive=ar)
-        same = sum(a == m.token_ids for a, m in zip(alone, many))
-        log(step=f"fp32_{step}", ar=ar, same=same, of=16, mode=many[0].stats.mode, s=time.perf_counter() - t)
+        differ = [i for i, (a, m) in enumerate(zip(alone, many)) if a != m.token_ids]
+        log(step=f"fp32_{step}", ar=ar, same=16 - len(differ), of=16, differ=differ, mode=many[0].stats.mode,
+            attention=many[0].stats.attention, s=round(time.perf_counter() - t, 1))
     del g
     torch.cuda.empty_cache()
 
@@ -76,6 +82,7 @@ if "lengths" in steps:
     new = int(os.environ.get("NEW_TOKENS", "256"))
     chosen = load_prompts(480)[::max(1, 480 // n)][:n]
     g = SpeculativeGenerator.load(compile=torch.cuda.is_available())
+    g.use_attention(ATTENTION)
     reference = None
     for bs in [int(b) for b in os.environ.get("BATCHES", "8").split(",")]:
         for ar in (True, False):
@@ -84,7 +91,7 @@ if "lengths" in steps:
             ids = [r.token_ids for r in res]
             reference = reference or ids
             log(step="lengths", ar=ar, batch=bs, prompts=len(chosen), max_new_tokens=new, dtype=str(g.target.dtype),
-                mode=res[0].stats.mode, new_tokens=sum(len(x) for x in ids),
+                mode=res[0].stats.mode, attention=res[0].stats.attention, new_tokens=sum(len(x) for x in ids),
                 same_as_first=sum(a == b for a, b in zip(reference, ids)), s=round(time.perf_counter() - t, 1))
         g.release()
     del g
