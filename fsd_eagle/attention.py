@@ -107,7 +107,7 @@ def block_mask(mask: SlotMask, shared: bool | None = None):
     windowed = mask.window is not None
     full = torch.zeros_like(mask.prefix) if windowed else mask.prefix // FLEX_BLOCK  # [B]
     rows = b
-    if b > 1 if shared is None else shared:
+    if (b > 1) if shared is None else shared:  # one list for every row: the union of the rows' blocks
         last, full, rows = last.amax(0, keepdim=True), full.amin(0, keepdim=True), 1
 
     def lists(count: torch.Tensor, first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +115,10 @@ def block_mask(mask: SlotMask, shared: bool | None = None):
         range) per row; blocks 0, 1, ... where ``first`` is None. (Not cols plus a zero tensor: inductor drops
         such an addition after comparing its shape [B, nk] with cols' [nk], and the comparison fixes a
         symbolic batch size B to nk where the two are equal, so that each batch size compiles again.)"""
-        index = cols.expand(rows, nk) if first is None else (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
+        if first is None:
+            index = cols.expand(rows, nk)
+        else:
+            index = (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
         return (count.to(torch.int32).view(rows, 1, 1).expand(rows, 1, nq).contiguous(),
                 index.view(rows, 1, 1, nk).expand(rows, 1, nq, nk).contiguous())
 
