@@ -93,9 +93,10 @@ def block_mask(mask: SlotMask, shared: bool | None = None):
     ``shared`` (default: with more than one batch row): one pair of lists for all rows (the BlockMask's
     batch size is 1), the union of the rows' own: full are the blocks that every row's prefix covers whole,
     partial the blocks from there to the last one any row reaches, so a row may scan blocks that its mask
-    then hides. Per-row lists (``shared=False``) skip more, but in batched rounds compiled on an H100 they
-    decoded rows differently from alone (float32, 2026-11-28; docs/benchmark-history.md), which the CPU
-    cannot show (its kernel reads no lists); with shared lists the kernel reads no list per row."""
+    then hides. Per-row lists (``shared=False``) skip more, but the compiled GPU kernel misreads them: on an
+    H200 (float32, 2026-11-28; eval/device/flex_check.py, docs/benchmark-history.md) every row whose prefix
+    reaches past the first block differed from SDPA by O(1), while shared lists agreed to 2e-6. The CPU
+    cannot show it (its kernel reads no lists)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     (b, n, m), s = mask.anc.shape, mask.max_len

@@ -232,6 +232,18 @@ def freezing() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
+def inductor_settings(dynamic: bool, freeze: bool) -> dict:
+    """Inductor settings patched around a compilation: ``freezing`` as asked and, for symbolic shapes, no
+    coalescing analysis of Triton tilings (``triton.coalesce_tiling_analysis``). That analysis is meant for
+    static shapes; with a symbolic batch it failed an internal size assertion (``tiling_utils``) while
+    compiling the batched rounds of the FSD rule on an H200 (torch 2.11), which then ran uncompiled at a
+    quarter of the speed. It only picks tilings, so turning it off changes no result."""
+    settings: dict = {"freezing": freeze}
+    if dynamic:
+        settings["triton.coalesce_tiling_analysis"] = False
+    return settings
+
+
 def _compile(fn, dynamic: bool = False):
     """``fn`` compiled by inductor. Static shapes, or with ``dynamic``: symbolic for the dimensions that its
     caller marks (``mark_batch_dynamic``) from the first compilation on, and, by dynamo's automatic dynamic
@@ -239,7 +251,7 @@ def _compile(fn, dynamic: bool = False):
     length). Duck sizing (one symbol for dimensions that happen to be equal, such as a batch of 8 and a
     top-k of 8) is turned off while tracing: it would tie the batch to the tree and compile again for the
     next size. With ``freezing()``, compiled with inductor's freezing. Kernels of ``FSD_EAGLE_COMPILE_CACHE``
-    (fsd_eagle.compile_cache) are loaded first."""
+    (fsd_eagle.compile_cache) are loaded first. Inductor's settings while compiling: ``inductor_settings``."""
     compile_cache.restore()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=None if dynamic else False)
@@ -251,7 +263,7 @@ def _compile(fn, dynamic: bool = False):
     def call(*args, **kwargs):
         # Called for warm-ups and captures (graphs replay the rounds), so the patches cost nothing per round.
         with torch.fx.experimental._config.patch(use_duck_shape=not dynamic), \
-                torch._inductor.config.patch(freezing=freeze), torch.no_grad():
+                torch._inductor.config.patch(inductor_settings(dynamic, freeze)), torch.no_grad():
             return compiled(*args, **kwargs)
 
     return call

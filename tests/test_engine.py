@@ -1293,6 +1293,26 @@ def test_flex_block_lists_keep_a_symbolic_batch_size(window, shared):
 
 
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_symbolic_compilations_turn_off_the_tiling_coalescing_analysis(dynamic):
+    """Inductor's coalescing analysis of Triton tilings failed an internal assertion on symbolic batch sizes
+    (FSD's batched rounds, H200): ``_compile`` turns it off while compiling with symbolic shapes only. The
+    compiled function reads the setting as it is while being traced."""
+    from fsd_eagle.decode import _compile, inductor_settings
+
+    assert inductor_settings(dynamic, False).get("triton.coalesce_tiling_analysis", True) is not dynamic
+    before = torch._inductor.config.triton.coalesce_tiling_analysis
+
+    def seen(x):
+        return x + float(torch._inductor.config.triton.coalesce_tiling_analysis)
+
+    torch._dynamo.reset()
+    got = _compile(seen, dynamic=dynamic)(torch.zeros(3))
+    assert torch.equal(got, torch.full((3,), float(before and not dynamic)))
+    assert torch._inductor.config.triton.coalesce_tiling_analysis == before  # restored after the call
+
+
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("backend,draft_vocab,freeze", [("sdpa", 0, False), ("flex", 0, False), ("sdpa", 64, False),
                                                         ("sdpa", 0, True)])

@@ -7,7 +7,8 @@ heads, head dimension 64) over a cache of 1,024 slots; B rows, each with its own
 different 128-slot blocks) and a tree of n new rows; every slot holds data, as a refilled row's cache holds
 its previous prompt's. Keys and values are views of one buffer ``[2, layers, B, 3, S, 64]``, as the slot cache
 keeps them (a later layer's view starts at an offset that grows with B). ``attention.attend`` with
-``attention.block_mask`` (per-row lists and shared lists) is run eagerly, compiled with the batch dimension
+``attention.block_mask`` (per-row lists and shared lists, and two variants of the per-row lists: LISTS) is run
+eagerly (the eager kernel applies the dense mask and reads no lists), compiled with the batch dimension
 dynamic (as batched rounds compile: one compilation at B = 2 serves B = 5 and 8) and compiled for a static B =
 8, and compared with SDPA under the dense mask (``prepare_mask(.., "sdpa", ..)``). Each line gives the largest
 absolute difference per batch row; a row that sees the wrong slots differs by O(1), rounding by < 1e-4 in
@@ -49,9 +50,35 @@ def inputs(b: int, n: int, seed: int, dtype: torch.dtype):
     return q.to(dtype=dtype, **move), kv.to(dtype=dtype, **move), prefix.to(**move), anc.to(**move)
 
 
-def flex(q, kv, prefix, anc, shared: bool):
+#: The block lists tried: "shared" and "per_row" as ``block_mask`` builds them; "per_row_no_full": per-row lists
+#: with every block up to a row's last one partial (none full), "per_row_heads": per-row lists written out for
+#: each of the 9 query heads instead of one list broadcast over them.
+LISTS = ("per_row", "shared", "per_row_no_full", "per_row_heads")
+
+
+def lists_variant(mask, lists: str):
+    """The BlockMask of ``lists`` (see LISTS) for ``mask``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bm = block_mask(mask, lists == "shared")
+    if lists in ("per_row", "shared"):
+        return bm
+    count, index = bm.kv_num_blocks, bm.kv_indices
+    full_count, full_index = bm.full_kv_num_blocks, bm.full_kv_indices
+    if lists == "per_row_no_full":
+        count = (count + full_count).contiguous()
+        index = torch.arange(index.shape[-1], dtype=index.dtype, device=index.device).expand_as(index).contiguous()
+        full_count = torch.zeros_like(full_count)
+    else:
+        count, index, full_count, full_index = (t.expand(t.shape[0], HEADS, *t.shape[2:]).contiguous()
+                                                for t in (count, index, full_count, full_index))
+    return BlockMask.from_kv_blocks(count, index, full_count, full_index, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths, compute_q_blocks=False)
+
+
+def flex(q, kv, prefix, anc, lists: str):
     """Layer 1's attention (its keys and values are views at an offset of B rows' layer 0)."""
-    return attend(q, kv[0, 1], kv[1, 1], block_mask(SlotMask(prefix, anc, SLOTS), shared))
+    return attend(q, kv[0, 1], kv[1, 1], lists_variant(SlotMask(prefix, anc, SLOTS), lists))
 
 
 def reference(q, kv, prefix, anc):
@@ -65,7 +92,8 @@ def row_errors(got: torch.Tensor, want: torch.Tensor) -> list[float]:
 def main() -> None:
     dtype = torch.float32
     for n in (1, 64):
-        for shared in (False, True):
+        for lists in LISTS:
+            torch._dynamo.reset()  # each variant compiles afresh (within dynamo's recompilation limit)
             dynamic = torch.compile(flex, fullgraph=True)
             static = torch.compile(flex, fullgraph=True, dynamic=False)
             for b, how in ((8, "eager"), (2, "compiled_dynamic"), (5, "compiled_dynamic"), (8, "compiled_dynamic"),
@@ -76,11 +104,11 @@ def main() -> None:
                         torch._dynamo.maybe_mark_dynamic(t, dim)
                 fn = {"eager": flex, "compiled_dynamic": dynamic, "compiled_static": static}[how]
                 try:
-                    errors = row_errors(fn(*args, shared), reference(*args))
+                    errors = row_errors(fn(*args, lists), reference(*args))
                 except Exception as e:  # noqa: BLE001 - a check reports every failure and goes on
-                    log(n=n, shared=shared, batch=b, how=how, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    log(n=n, lists=lists, batch=b, how=how, error=f"{type(e).__name__}: {str(e)[:300]}")
                     continue
-                log(n=n, shared=shared, batch=b, how=how, dtype=str(dtype), device=DEVICE,
+                log(n=n, lists=lists, batch=b, how=how, dtype=str(dtype), device=DEVICE,
                     worst=max(errors), ok=max(errors) < 1e-3, per_row=errors, prefixes=args[2].tolist())
     log(step="done")
 
