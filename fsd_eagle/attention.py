@@ -95,8 +95,8 @@ def block_mask(mask: SlotMask, shared: bool | None = None):
     partial the blocks from there to the last one any row reaches, so a row may scan blocks that its mask
     then hides. Per-row lists (``shared=False``) skip more, but the compiled GPU kernel misreads them: on an
     H200 (float32, 2026-11-28; eval/device/flex_check.py, docs/benchmark-history.md) every row whose prefix
-    reaches past the first block differed from SDPA by O(1), while shared lists agreed to 2e-6. The CPU
-    cannot show it (its kernel reads no lists)."""
+    reaches past the first block differed from SDPA by O(1), while shared lists agreed to 2e-6 (in cases
+    where they held no full block). The CPU cannot show it (its kernel reads no lists)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     (b, n, m), s = mask.anc.shape, mask.max_len

@@ -232,26 +232,29 @@ def freezing() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def inductor_settings(dynamic: bool, freeze: bool) -> dict:
-    """Inductor settings patched around a compilation: ``freezing`` as asked and, for symbolic shapes, no
-    coalescing analysis of Triton tilings (``triton.coalesce_tiling_analysis``). That analysis is meant for
-    static shapes; with a symbolic batch it failed an internal size assertion (``tiling_utils``) while
-    compiling the batched rounds of the FSD rule on an H200 (torch 2.11), which then ran uncompiled at a
-    quarter of the speed. It only picks tilings, so turning it off changes no result."""
+def inductor_settings(freeze: bool, batched: bool) -> dict:
+    """Inductor settings patched around a compilation: ``freezing`` as asked and, for ``batched`` rounds (a
+    symbolic batch size), no coalescing analysis of Triton tilings (``triton.coalesce_tiling_analysis``,
+    where this torch has it). Inductor notes that the analysis does not yet handle symbolic shapes; on a
+    symbolic batch it failed an internal size assertion (``tiling_utils``) while compiling the batched
+    rounds of the FSD rule on an H200 (torch 2.11), which then ran as uncompiled graph rounds at about half
+    the speed (6.5 ms per round). Turning it off changes the kernels' tiling, not what they compute."""
     settings: dict = {"freezing": freeze}
-    if dynamic:
+    if batched and hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
         settings["triton.coalesce_tiling_analysis"] = False
     return settings
 
 
-def _compile(fn, dynamic: bool = False):
+def _compile(fn, dynamic: bool = False, batched: bool = False):
     """``fn`` compiled by inductor. Static shapes, or with ``dynamic``: symbolic for the dimensions that its
     caller marks (``mark_batch_dynamic``) from the first compilation on, and, by dynamo's automatic dynamic
     shapes, for any other dimension once it differs from an earlier compilation (a prefill's padded prompt
     length). Duck sizing (one symbol for dimensions that happen to be equal, such as a batch of 8 and a
     top-k of 8) is turned off while tracing: it would tie the batch to the tree and compile again for the
     next size. With ``freezing()``, compiled with inductor's freezing. Kernels of ``FSD_EAGLE_COMPILE_CACHE``
-    (fsd_eagle.compile_cache) are loaded first. Inductor's settings while compiling: ``inductor_settings``."""
+    (fsd_eagle.compile_cache) are loaded first. ``batched``: a batched round (implies ``dynamic``); inductor's
+    settings while compiling: ``inductor_settings``."""
+    dynamic = dynamic or batched
     compile_cache.restore()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=None if dynamic else False)
@@ -263,7 +266,7 @@ def _compile(fn, dynamic: bool = False):
     def call(*args, **kwargs):
         # Called for warm-ups and captures (graphs replay the rounds), so the patches cost nothing per round.
         with torch.fx.experimental._config.patch(use_duck_shape=not dynamic), \
-                torch._inductor.config.patch(inductor_settings(dynamic, freeze)), torch.no_grad():
+                torch._inductor.config.patch(inductor_settings(freeze, batched)), torch.no_grad():
             return compiled(*args, **kwargs)
 
     return call
@@ -295,7 +298,7 @@ def compiled_round(batched: bool = False):
     compilation serves every batch size: a symbolic-batch round replayed within 4% of a static one on an
     H200, and later batch sizes start in about a second instead of 50-90 s
     (eval/results/gpu_batch_round_cost.json)."""
-    compiled = _compile(run_round, dynamic=batched)
+    compiled = _compile(run_round, batched=batched)
     if not batched:
         return compiled
 

@@ -1293,23 +1293,25 @@ def test_flex_block_lists_keep_a_symbolic_batch_size(window, shared):
 
 
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_symbolic_compilations_turn_off_the_tiling_coalescing_analysis(dynamic):
-    """Inductor's coalescing analysis of Triton tilings failed an internal assertion on symbolic batch sizes
-    (FSD's batched rounds, H200): ``_compile`` turns it off while compiling with symbolic shapes only. The
-    compiled function reads the setting as it is while being traced."""
+@pytest.mark.skipif(not hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"),
+                    reason="this torch has no coalescing analysis of tilings")
+@pytest.mark.parametrize("dynamic,batched", [(False, False), (True, False), (True, True)])
+def test_batched_round_compilations_turn_off_the_tiling_coalescing_analysis(dynamic, batched):
+    """Inductor's coalescing analysis of Triton tilings failed an internal assertion on a symbolic batch size
+    (FSD's batched rounds, H200): ``_compile`` turns it off while compiling batched rounds only (prefills
+    and one-row rounds keep it). The compiled function reads the setting as it is while being traced."""
     from fsd_eagle.decode import _compile, inductor_settings
 
-    assert inductor_settings(dynamic, False).get("triton.coalesce_tiling_analysis", True) is not dynamic
-    before = torch._inductor.config.triton.coalesce_tiling_analysis
+    assert inductor_settings(False, batched).get("triton.coalesce_tiling_analysis", True) is not batched
 
     def seen(x):
         return x + float(torch._inductor.config.triton.coalesce_tiling_analysis)
 
     torch._dynamo.reset()
-    got = _compile(seen, dynamic=dynamic)(torch.zeros(3))
-    assert torch.equal(got, torch.full((3,), float(before and not dynamic)))
-    assert torch._inductor.config.triton.coalesce_tiling_analysis == before  # restored after the call
+    with torch._inductor.config.patch({"triton.coalesce_tiling_analysis": True}):
+        got = _compile(seen, dynamic=dynamic, batched=batched)(torch.zeros(3))
+        assert torch._inductor.config.triton.coalesce_tiling_analysis  # restored after the call
+    assert torch.equal(got, torch.full((3,), 0.0 if batched else 1.0))
 
 
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")

@@ -4,7 +4,8 @@
 
 Random queries, keys and values in the default model's attention shape (9 query heads sharing 3 key/value
 heads, head dimension 64) over a cache of 1,024 slots; B rows, each with its own committed prefix (ending in
-different 128-slot blocks) and a tree of n new rows; every slot holds data, as a refilled row's cache holds
+different 128-slot blocks; in one pass row 0's lies in the first block, in the other every prefix passes it) and a
+tree of n new rows; every slot holds data, as a refilled row's cache holds
 its previous prompt's. Keys and values are views of one buffer ``[2, layers, B, 3, S, 64]``, as the slot cache
 keeps them (a later layer's view starts at an offset that grows with B). ``attention.attend`` with
 ``attention.block_mask`` (per-row lists and shared lists, and two variants of the per-row lists: LISTS) is run
@@ -13,6 +14,7 @@ dynamic (as batched rounds compile: one compilation at B = 2 serves B = 5 and 8)
 8, and compared with SDPA under the dense mask (``prepare_mask(.., "sdpa", ..)``). Each line gives the largest
 absolute difference per batch row; a row that sees the wrong slots differs by O(1), rounding by < 1e-4 in
 float32. On the CPU, inductor's kernel reads no block lists, so only a GPU run checks them."""
+import itertools
 import json
 import os
 import sys
@@ -37,14 +39,16 @@ def log(**kw) -> None:
         f.write(line + "\n")
 
 
-def inputs(b: int, n: int, seed: int, dtype: torch.dtype):
+def inputs(b: int, n: int, seed: int, dtype: torch.dtype, early: bool = True):
     """q [B, 9, n, 64], the cache kv [2, 2, B, 3, S, 64] (keys and values of two layers), prefixes [B] (in
-    different blocks) and tree masks [B, n, n]."""
+    different blocks) and tree masks [B, n, n]. ``early``: row 0's prefix lies in the first block (shared
+    lists then have no full block and start at block 0); else every prefix passes the first block."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, HEADS, n, DIM, generator=gen)
     kv = torch.randn(2, 2, b, KV_HEADS, SLOTS, DIM, generator=gen)
-    prefix = torch.randint(1, SLOTS - n, (b,), generator=gen)
-    prefix[0] = 5  # one row early in the first block, one crossing into a later one
+    prefix = torch.randint(1 if early else FLEX_BLOCK, SLOTS - n, (b,), generator=gen)
+    if early:
+        prefix[0] = 5  # one row early in the first block, the others mostly in later ones
     anc = (torch.rand(b, n, n, generator=gen) < 0.5).tril() | torch.eye(n, dtype=torch.bool)
     move = dict(device=DEVICE)
     return q.to(dtype=dtype, **move), kv.to(dtype=dtype, **move), prefix.to(**move), anc.to(**move)
@@ -96,9 +100,10 @@ def main() -> None:
             torch._dynamo.reset()  # each variant compiles afresh (within dynamo's recompilation limit)
             dynamic = torch.compile(flex, fullgraph=True)
             static = torch.compile(flex, fullgraph=True, dynamic=False)
-            for b, how in ((8, "eager"), (2, "compiled_dynamic"), (5, "compiled_dynamic"), (8, "compiled_dynamic"),
-                           (8, "compiled_static")):
-                args = inputs(b, n, seed=b * 100 + n, dtype=dtype)
+            for (b, how), early in itertools.product(
+                    ((8, "eager"), (2, "compiled_dynamic"), (5, "compiled_dynamic"), (8, "compiled_dynamic"),
+                     (8, "compiled_static")), (True, False)):
+                args = inputs(b, n, seed=b * 100 + n, dtype=dtype, early=early)
                 if how == "compiled_dynamic":
                     for t, dim in zip(args, (0, 2, 0, 0)):
                         torch._dynamo.maybe_mark_dynamic(t, dim)
@@ -106,9 +111,9 @@ def main() -> None:
                 try:
                     errors = row_errors(fn(*args, lists), reference(*args))
                 except Exception as e:  # noqa: BLE001 - a check reports every failure and goes on
-                    log(n=n, lists=lists, batch=b, how=how, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    log(n=n, lists=lists, batch=b, how=how, early=early, error=f"{type(e).__name__}: {str(e)[:300]}")
                     continue
-                log(n=n, lists=lists, batch=b, how=how, dtype=str(dtype), device=DEVICE,
+                log(n=n, lists=lists, batch=b, how=how, early=early, dtype=str(dtype), device=DEVICE,
                     worst=max(errors), ok=max(errors) < 1e-3, per_row=errors, prefixes=args[2].tolist())
     log(step="done")
 
