@@ -4,16 +4,16 @@
 
 Random queries, keys and values in the default model's attention shape (9 query heads sharing 3 key/value
 heads, head dimension 64) over a cache of 1,024 slots; B rows, each with its own committed prefix (ending in
-different 128-slot blocks; in one pass row 0's lies in the first block, in the other every prefix passes it) and a
-tree of n new rows; every slot holds data, as a refilled row's cache holds
-its previous prompt's. Keys and values are views of one buffer ``[2, layers, B, 3, S, 64]``, as the slot cache
-keeps them (a later layer's view starts at an offset that grows with B). ``attention.attend`` with
-``attention.block_mask`` (per-row lists and shared lists, and two variants of the per-row lists: LISTS) is run
-eagerly (the eager kernel applies the dense mask and reads no lists), compiled with the batch dimension
-dynamic (as batched rounds compile: one compilation at B = 2 serves B = 5 and 8) and compiled for a static B =
-8, and compared with SDPA under the dense mask (``prepare_mask(.., "sdpa", ..)``). Each line gives the largest
-absolute difference per batch row; a row that sees the wrong slots differs by O(1), rounding by < 1e-4 in
-float32. On the CPU, inductor's kernel reads no block lists, so only a GPU run checks them."""
+different 128-slot blocks; in one pass row 0's lies in the first block, in the other every prefix passes it)
+and a tree of n new rows; every slot holds data, as a refilled row's cache holds its previous prompt's. Keys
+and values are views of one buffer ``[2, layers, B, 3, S, 64]``, as the slot cache keeps them (a later layer's
+view starts at an offset that grows with B). ``attention.attend`` with ``attention.block_mask`` (per-row lists
+and shared lists, and two variants of the per-row lists: LISTS) is run eagerly (the eager kernel applies the
+dense mask and reads no lists), compiled with the batch dimension dynamic (as batched rounds compile: one
+compilation at B = 2 serves B = 5 and 8) and compiled for a static B = 8, and compared with SDPA under the
+dense mask (``prepare_mask(.., "sdpa", ..)``). Each line gives the largest absolute difference per batch row; a
+row that sees the wrong slots differs by O(1), rounding by < 1e-4 in float32. On the CPU, inductor's kernel
+reads no block lists, so only a GPU run checks them."""
 import itertools
 import json
 import os
