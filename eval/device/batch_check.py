@@ -13,7 +13,8 @@ first batch size). Greedy EAGLE-2 is AR's output up to floating-point difference
 far apart point at a bug rather than at rounding. Runs on the CPU too (RES=<folder>).
 
 ATTENTION=sdpa or flex: the tree attention of compiled rounds in ``exact-compiled`` and ``lengths`` (default:
-the library's choice, ``SpeculativeGenerator.use_attention``); ``exact*`` log which prompts differ.
+the library's choice, ``SpeculativeGenerator.use_attention``); ``exact*`` log which prompts differ. DECODERS=ar
+or eagle2: ``exact*`` checks that one only (default both, EAGLE-2 first).
 
 Each configuration is warmed up on every prompt (a 4-token pass: every prefill bucket captured, the round
 compiled) before the timed pass; results are appended to $RES/check.jsonl (default /root/res). The full
@@ -33,6 +34,9 @@ from eval.tasks import load_mt_bench  # noqa: E402
 
 RES = os.environ.get("RES", "/root/res")
 ATTENTION = os.environ.get("ATTENTION") or None  # compiled rounds' tree attention (None: the library's choice)
+DECODERS = os.environ.get("DECODERS", "eagle2,ar").split(",")  # what exact* checks
+if not DECODERS or set(DECODERS) - {"ar", "eagle2"}:
+    sys.exit(f"DECODERS is a comma-separated subset of ar,eagle2; got {os.environ['DECODERS']!r}")
 os.makedirs(RES, exist_ok=True)
 
 
@@ -50,7 +54,7 @@ for step in ("exact", "exact-compiled"):
         continue
     g = SpeculativeGenerator.load(dtype="float32", compile=step == "exact-compiled")
     g.use_attention(ATTENTION)
-    for ar in (False, True):
+    for ar in [name == "ar" for name in DECODERS]:
         t = time.perf_counter()
         alone = [g.generate(p, max_new_tokens=64, autoregressive=ar).token_ids for p in prompts[:16]]
         many = g.generate(prompts[:16], max_new_tokens=64, batch_size=8, autoregressive=ar)
