@@ -38,11 +38,11 @@ def whole_blocks(slots: int) -> int:
     return -(-slots // FLEX_BLOCK) * FLEX_BLOCK
 
 
-def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype):
+def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype, heads: int = 1):
     """``mask`` in the form ``attend`` takes for ``backend`` (its cache size a multiple of FLEX_BLOCK for
-    "flex")."""
+    "flex"); ``heads``: the query heads of the layers that attend with it (``block_mask``)."""
     if backend == "flex":
-        return block_mask(mask)
+        return block_mask(mask, heads=heads)
     neg = torch.finfo(dtype).min
     dense = mask.dense()
     return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg).unsqueeze(1)
@@ -83,20 +83,24 @@ def _flex_options(q: torch.Tensor) -> dict | None:
     return {"BLOCK_M": 16}
 
 
-def block_mask(mask: SlotMask, shared: bool | None = None):
+def block_mask(mask: SlotMask, shared: bool = False, heads: int = 1):
     """A FlexAttention BlockMask (forward only: no q-block lists, which only the backward reads). Blocks
     wholly inside the committed prefix are "full" (no mask lookup), the blocks from the prefix's last one to
     the end of the new rows "partial" (the dense mask decides), the rest skipped; with a sliding window
     every block up to the new rows is partial. The lists come from ``mask.prefix`` by arithmetic: a round
     builds a mask per draft level, and reductions and sorts over dense block flags cost ~8 kernels each.
 
-    ``shared`` (default: with more than one batch row): one pair of lists for all rows (the BlockMask's
-    batch size is 1), the union of the rows' own: full are the blocks that every row's prefix covers whole,
-    partial the blocks from there to the last one any row reaches, so a row may scan blocks that its mask
-    then hides. Per-row lists (``shared=False``) skip more, but the compiled GPU kernel misreads them: on an
-    H200 (float32, 2026-11-28; eval/device/flex_check.py, docs/benchmark-history.md) every row whose prefix
-    reaches past the first block differed from SDPA by O(1), while shared lists agreed to 2e-6 (in cases
-    where they held no full block). The CPU cannot show it (its kernel reads no lists)."""
+    Each batch row gets its own lists, so a row scans only its own prefix's blocks. With more than one row
+    they are written out for each of the ``heads`` query heads (lists ``[B, heads, ..]``): the compiled GPU
+    kernel misreads per-row lists broadcast over the heads (``[B, 1, ..]``): on an H200 (float32,
+    2026-11-28; eval/device/flex_check.py, docs/benchmark-history.md) rows differed from SDPA by O(1), while
+    the same lists written per head agreed to 2e-6 in every case. The CPU cannot show it (its kernel reads
+    no lists). One row's lists stay ``[1, 1, ..]``.
+
+    ``shared``: one pair of lists for all rows (the BlockMask's batch and head sizes are 1), the union of
+    the rows' own: full are the blocks that every row's prefix covers whole, partial the blocks from there
+    to the last one any row reaches, so a row may scan blocks that its mask then hides (right on the GPU
+    too, but slower where prefixes differ)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     (b, n, m), s = mask.anc.shape, mask.max_len
@@ -107,21 +111,22 @@ def block_mask(mask: SlotMask, shared: bool | None = None):
     last = (mask.prefix + m - 1) // FLEX_BLOCK  # [B]
     windowed = mask.window is not None
     full = torch.zeros_like(mask.prefix) if windowed else mask.prefix // FLEX_BLOCK  # [B]
-    rows = b
-    if (b > 1) if shared is None else shared:  # one list for every row: the union of the rows' blocks
-        last, full, rows = last.amax(0, keepdim=True), full.amin(0, keepdim=True), 1
+    rows, per_head = b, heads if b > 1 else 1
+    if shared:  # one list for every row: the union of the rows' blocks
+        last, full, rows, per_head = last.amax(0, keepdim=True), full.amin(0, keepdim=True), 1, 1
 
     def lists(count: torch.Tensor, first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """count [R, 1, nq] and indices [R, 1, nq, nk] (R: the lists' rows): blocks first, first + 1, ... (in
-        range) per row; blocks 0, 1, ... where ``first`` is None. (Not cols plus a zero tensor: inductor drops
-        such an addition after comparing its shape [B, nk] with cols' [nk], and the comparison fixes a
-        symbolic batch size B to nk where the two are equal, so that each batch size compiles again.)"""
+        """count [R, P, nq] and indices [R, P, nq, nk] (R: the lists' rows, P: their heads): blocks first,
+        first + 1, ... (in range) per row; blocks 0, 1, ... where ``first`` is None. (Not cols plus a zero
+        tensor: inductor drops such an addition after comparing its shape [B, nk] with cols' [nk], and the
+        comparison fixes a symbolic batch size B to nk where the two are equal, so that each batch size
+        compiles again.)"""
         if first is None:
             index = cols.expand(rows, nk)
         else:
             index = (cols + first.unsqueeze(1)).clamp(max=nk - 1).to(torch.int32)
-        return (count.to(torch.int32).view(rows, 1, 1).expand(rows, 1, nq).contiguous(),
-                index.view(rows, 1, 1, nk).expand(rows, 1, nq, nk).contiguous())
+        return (count.to(torch.int32).view(rows, 1, 1).expand(rows, per_head, nq).contiguous(),
+                index.view(rows, 1, 1, nk).expand(rows, per_head, nq, nk).contiguous())
 
     dense = mask.dense(nq * FLEX_BLOCK)  # whole query blocks: the kernel evaluates whole tiles
 

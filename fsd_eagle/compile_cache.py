@@ -8,6 +8,10 @@ runner has no such cache; this file is the portable form of it (``torch.compiler
 copied to another machine with the same GPU type, torch and transformers versions, it turns the compilation
 of each round into a cache hit (dynamo still traces the Python code). A file from another configuration is
 harmless: its entries simply never match.
+
+The variable may name several files, separated by ``os.pathsep`` (``:`` on Linux): all of them are loaded
+and the first is the one written, so kernels compiled by several processes (each writing its own file) can
+serve one later process.
 """
 
 from __future__ import annotations
@@ -23,19 +27,31 @@ ENV = "FSD_EAGLE_COMPILE_CACHE"
 _restored: set[Path] = set()
 
 
+def cache_files() -> list[Path]:
+    """The files named by ``FSD_EAGLE_COMPILE_CACHE`` (``os.pathsep``-separated; empty names skipped)."""
+    names = os.environ.get(ENV, "").split(os.pathsep)
+    return [Path(name.strip()).expanduser() for name in names if name.strip()]
+
+
 def cache_file() -> Path | None:
-    """The file named by ``FSD_EAGLE_COMPILE_CACHE``, or None when it is unset or empty."""
-    name = os.environ.get(ENV, "").strip()
-    return Path(name).expanduser() if name else None
+    """The file that ``store`` writes: the first one named, or None when the variable is unset or empty."""
+    files = cache_files()
+    return files[0] if files else None
 
 
 def restore() -> bool:
-    """Load the file's kernels into torch.compile's caches, once per process and file. Returns whether it
-    loaded something. An unreadable file is reported as a warning and skipped (it is only a cache)."""
-    path = cache_file()
-    if path is None or path in _restored:
-        return False
-    _restored.add(path)
+    """Load the kernels of every file named into torch.compile's caches, once per process and file. Returns
+    whether it loaded something. An unreadable file is reported as a warning and skipped (it is only a
+    cache)."""
+    loaded = False
+    for path in cache_files():
+        if path not in _restored:
+            _restored.add(path)
+            loaded = _load(path) or loaded
+    return loaded
+
+
+def _load(path: Path) -> bool:
     if not path.is_file():
         return False
     quiet = logging.getLogger("torch.compiler._cache")  # its own multi-line report of a corrupted file
@@ -49,13 +65,13 @@ def restore() -> bool:
     finally:
         quiet.setLevel(level)
     if problem:
-        warnings.warn(f"{ENV}={path}: not a compile cache this torch can read ({problem}); ignored", stacklevel=2)
+        warnings.warn(f"{ENV}={path}: not a compile cache this torch can read ({problem}); ignored", stacklevel=3)
     return loaded
 
 
 def store() -> int:
-    """Write every kernel this process compiled or loaded to the file (atomically: a temporary file in the
-    same folder, then a rename). Returns the bytes written (0 when unset or nothing was compiled)."""
+    """Write every kernel this process compiled or loaded to the first file named (atomically: a temporary
+    file in the same folder, then a rename). Returns the bytes written (0 when unset or nothing was compiled)."""
     path = cache_file()
     if path is None:
         return 0

@@ -117,6 +117,11 @@ class Target:
         return heads // self.tp_size
 
     @property
+    def num_q_heads(self) -> int:
+        """Query heads of this rank's attention (all of them unless tensor-parallel)."""
+        return int(self.config.num_attention_heads) // self.tp_size
+
+    @property
     def head_dim(self) -> int:
         return int(getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads)
 
@@ -168,12 +173,14 @@ class Target:
         """The mask(s) in the attention backend's form; sliding-window layers get the window on key
         positions too. Models without ``layer_types`` (Mistral, Phi-3, ...) slide on every layer whenever
         ``sliding_window`` is set."""
+        heads = self.num_q_heads
         if not self.slides:
-            return attention.prepare_mask(mask, backend, self.dtype)
-        window = attention.prepare_mask(mask.windowed(positions, self.sliding_window), backend, self.dtype)
+            return attention.prepare_mask(mask, backend, self.dtype, heads)
+        window = attention.prepare_mask(mask.windowed(positions, self.sliding_window), backend, self.dtype, heads)
         if not self.layer_types:
             return window
-        return {"full_attention": attention.prepare_mask(mask, backend, self.dtype), "sliding_attention": window}
+        return {"full_attention": attention.prepare_mask(mask, backend, self.dtype, heads),
+                "sliding_attention": window}
 
     def logits(self, features: torch.Tensor, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:

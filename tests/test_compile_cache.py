@@ -25,35 +25,45 @@ from fsd_eagle import compile_cache
 loaded = compile_cache.restore() if sys.argv[1] == "restore" else False
 def step(x, w):
     return torch.softmax((x @ w).relu() * 0.5, -1).sum(0)
-torch.compile(step)(torch.randn(16, 32), torch.randn(32, 8))
+def other(x, w):
+    return torch.tanh(x @ w).cumsum(0) * 3
+for name in sys.argv[2]:
+    torch.compile({"s": step, "o": other}[name])(torch.randn(16, 32), torch.randn(32, 8))
 size = compile_cache.store()
 print(json.dumps({"loaded": loaded, "stored": size, "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
 
 
-def _child(tmp_path: Path, local_cache: str, mode: str, env_file: Path | None) -> dict:
+def _child(tmp_path: Path, local_cache: str, mode: str, env_file: Path | str | None, functions: str = "s") -> dict:
+    """A process on a machine of its own (``local_cache``) that compiles ``functions`` ("s": step, "o":
+    other), with FSD_EAGLE_COMPILE_CACHE = ``env_file``; ``mode`` "restore" loads it first."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / local_cache),
            "OMP_NUM_THREADS": "1"}
     env.pop(compile_cache.ENV, None)
     if env_file is not None:
         env[compile_cache.ENV] = str(env_file)
-    done = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", CHILD, mode, functions], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
-def test_a_fresh_machine_that_loads_the_file_compiles_from_cache_hits(tmp_path):
-    kernels = tmp_path / "out" / "kernels.bin"
-    first = _child(tmp_path, "machine_a", "restore", kernels)
+def test_a_fresh_machine_that_loads_the_files_compiles_from_cache_hits(tmp_path):
+    """Machine a compiles ``step`` and writes one.bin; machine b, without a file to load, compiles ``other``
+    from scratch and writes two.bin; machine c names both files, compiles both functions from cache hits
+    alone and writes the first file, which then holds both."""
+    one, two = tmp_path / "out" / "one.bin", tmp_path / "out" / "two.bin"
+    first = _child(tmp_path, "machine_a", "restore", one, "s")
     assert first["loaded"] is False and first["misses"] >= 1 and first["hits"] == 0
-    assert first["stored"] == kernels.stat().st_size > 0
-    assert not list(kernels.parent.glob(".*.tmp"))  # written through a temporary file, then renamed
-    cold = _child(tmp_path, "machine_b", "none", None)  # no file: compiles from scratch
-    assert cold["hits"] == 0 and cold["misses"] >= 1 and cold["stored"] == 0
-    warm = _child(tmp_path, "machine_c", "restore", kernels)
-    assert warm["loaded"] is True and warm["hits"] >= 1 and warm["misses"] == 0
+    assert first["stored"] == one.stat().st_size > 0
+    assert not list(one.parent.glob(".*.tmp"))  # written through a temporary file, then renamed
+    cold = _child(tmp_path, "machine_b", "none", two, "o")  # nothing loaded: compiles from scratch
+    assert cold["hits"] == 0 and cold["misses"] >= 1 and cold["stored"] == two.stat().st_size > 0
+    warm = _child(tmp_path, "machine_c", "restore", f"{one}{os.pathsep}{two}", "so")
+    assert warm["loaded"] is True and warm["hits"] >= 2 and warm["misses"] == 0
+    assert warm["stored"] == one.stat().st_size > first["stored"]  # one.bin now holds both functions
 
 
 def test_unset_does_nothing_and_a_broken_file_is_a_warning(tmp_path, monkeypatch):

@@ -197,7 +197,8 @@ def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed, shared)
     """SlotMask.dense is the mask spelled out (committed slots, then the new slots by anc, then a window on
     positions), and the FlexAttention block lists cover it: a "full" block is seen whole by every row, a
     skipped block by none. Two batch rows with other prefixes, trees and positions, each checked alone,
-    against its own lists or against the one pair of lists both share."""
+    against its own lists (written out for each of 3 query heads, all alike) or against the one pair of
+    lists both share."""
     gen = torch.Generator().manual_seed(seed)
     m = n + m_extra if window is None else n  # a windowed mask's new slots are its own rows
     prefixes = [prefix, int(torch.randint(0, prefix + 1, (1,), generator=gen))]
@@ -209,9 +210,13 @@ def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed, shared)
         mask = mask.windowed(positions, window)
     dense = mask.dense()
     assert dense.shape == (2, n, slots)
-    block = block_mask(mask, shared)
+    block = block_mask(mask, shared, heads=3)
     lists = ((block.kv_num_blocks, block.kv_indices), (block.full_kv_num_blocks, block.full_kv_indices))
-    assert block.kv_indices.shape[0] == (1 if shared else 2)
+    for count, index in lists:
+        assert index.shape[:2] == count.shape[:2] == ((1, 1) if shared else (2, 3))
+        assert (count == count[:, :1]).all() and (index == index[:, :1]).all()  # every head the same lists
+    one = block_mask(SlotMask(mask.prefix[:1], mask.anc[:1], mask.max_len), shared, heads=3)
+    assert one.kv_indices.shape[:2] == (1, 1)  # one row: lists broadcast over the heads
     for b, pre in enumerate(prefixes):
         ref = torch.zeros(n, slots, dtype=torch.bool)
         ref[:, :pre] = True

@@ -453,11 +453,13 @@ def test_tuner_writes_each_bucket_at_once_and_resume_keeps_them(tmp_path, monkey
     bucket 4 and leaves bucket 2 as it was; another command measures both again."""
     from test_api import save_target_and_head
 
+    from eval.runinfo import git_commit
+
     folders = save_target_and_head(tmp_path / "models", head_seed=3)
     out = tmp_path / "presets.json"
     argv = ["--device", "cpu", "--threads", "1", "--target", str(folders / "target"), "--head", str(folders / "head"),
             "--out", str(out), "--batch-sizes", "2,4", "--max-new-tokens", "3", "--validate", "1",
-            "--batch-new-tokens", "3", "--batch-fill", "1"]
+            "--batch-new-tokens", "3", "--attention", "flex", "--batch-fill", "1"]
     measured, real = [], tune.tune_batch
 
     def failing_at_4(gen, prompts, candidates, b, **kw):
@@ -474,6 +476,9 @@ def test_tuner_writes_each_bucket_at_once_and_resume_keeps_them(tmp_path, monkey
     assert set(table[model]["cpu"]["batch"]) == {"2"}
     first = table[model]["cpu"]["batch"]["2"]
     assert "--resume" not in first["measured"]["command"] and "--batch-fill 1" in first["measured"]["command"]
+    assert first["measured"]["code"] == git_commit(short=True)  # the checkout's commit (None outside git)
+    # what ran: rounds that are not compiled use SDPA, whatever attention was preferred
+    assert [c["attention"] for c in first["measured"]["candidates"]] == ["sdpa"] * len(first["measured"]["candidates"])
 
     monkeypatch.setattr(tune, "tune_batch", lambda *a, **kw: (measured.append((a[3], len(a[1]))), real(*a, **kw))[1])
     measured.clear()

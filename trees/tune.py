@@ -44,6 +44,8 @@ throughput = new tokens of all prompts / wall time, the candidates in rotating o
 entry's "batch" object (fsd_eagle.trees_presets documents the format). Without bucket 1 in the list, the
 winner is the presets file's current tree for the target and device. Each bucket is written as soon as it is
 measured; ``--resume`` keeps the buckets that the same command already wrote (an interrupted run goes on).
+``--attention sdpa|flex`` sets the tree attention of compiled rounds (``SpeculativeGenerator.use_attention``);
+each candidate's row records the attention its rounds ran with, and the run's commit is recorded (``--code``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from eval.runinfo import git_commit
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.decode import DecodeStats, prefill_bucket
 from fsd_eagle.errors import ConfigError
@@ -637,16 +640,19 @@ def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batc
             session.prepare_prefills(len(p) for p in prompts)
             log(f"batch {batch_size}: warm-up {cfg.label} {seconds:.1f} s")
     totals = {cfg: [0, 0, 0.0] for cfg in candidates}  # new tokens, target forwards, seconds
+    attention = {}
     for i in range(repeats):
         for cfg in rotated(candidates, i):
             seconds, results = run(cfg, max_new_tokens)
             totals[cfg][0] += sum(r.stats.new_tokens for r in results)
             totals[cfg][1] += sum(r.stats.target_forwards for r in results)
             totals[cfg][2] += seconds
+            attention[cfg] = results[-1].stats.attention if results else None
         log(f"batch {batch_size}: pass {i + 1}/{repeats}: " + ", ".join(
             f"{c.label} {totals[c][0] / totals[c][2]:.1f} tok/s" for c in candidates))
     return [{"tree": cfg, "tokens_per_s": new / seconds if seconds > 0 else 0.0, "tau": new / max(fwd, 1),
-             "new_tokens": new, "seconds": seconds} for cfg, (new, fwd, seconds) in totals.items()]
+             "new_tokens": new, "seconds": seconds, "attention": attention.get(cfg)}
+            for cfg, (new, fwd, seconds) in totals.items()]
 
 
 #: A batch bucket drafts only when a tree beat autoregressive decoding by this factor in tuning: the tuner's
@@ -792,6 +798,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="presets file to update (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the entry, do not write it")
+    p.add_argument("--attention", choices=("sdpa", "flex"),
+                   help="tree attention of compiled rounds (default: the library's choice per batch size, "
+                        "SpeculativeGenerator.use_attention); each candidate's row records what ran")
+    p.add_argument("--code", help="commit to record (default: git rev-parse --short HEAD; for a copy whose .git "
+                                  "is stale)")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts (MT-bench / GSM8K test, alternating)")
     p.add_argument("--validate", type=int, default=4, help="prompts decoded for real to validate and choose")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -845,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, tree=DEFAULT_TREE,
                                     compile=a.compile, threads=threads)
+    gen.use_attention(a.attention)
     name = model_name(gen.target.model.config)
     batches = [b for b in a.batch_sizes if b > 1]
     single = (a.prompts if a.trees is None else a.validate) if 1 in a.batch_sizes else 0
@@ -852,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [gen.encode(text) for _, text in texts]
     command = "python -m trees.tune " + " ".join(x for x in (sys.argv[1:] if argv is None else argv) if x != "--resume")
     done = tuned_buckets(a.out, name, a.device, command) if a.resume else {}
+    code = a.code or git_commit(short=True)
 
     def save(b: int, entry: dict) -> None:
         """Write bucket ``b`` at once (a later bucket's failure keeps it; --resume skips it)."""
@@ -869,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
             "tuned": m.pop("tuned"), "date": datetime.date.today().isoformat(),
             "device": device_description(gen.target.device, threads),
             "dtype": str(gen.target.dtype).replace("torch.", ""), "torch": torch.__version__,
-            "transformers": transformers.__version__, "command": command,
+            "transformers": transformers.__version__, "command": command, "code": code,
             "head": str(a.head) if a.head else "shipped head", "head_sha256": head_sha,
             "prompts": sources, **extra, **m}}
 

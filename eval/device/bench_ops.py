@@ -4,12 +4,17 @@
 - top-k over the draft's vocabulary (rows x V float32 logits, k = top_k): torch.topk, two-stage variants,
   fsd_eagle.kernels.topk (checked against torch.topk first), and the small top-k over the k x k children;
 - FlexAttention for 1, 8 and 48 query rows over a 2048-slot cache with a ~500-token prefix, under
-  kernel_options (query/key tile sizes, warps, stages).
+  kernel_options (query/key tile sizes, warps, stages);
+- one layer's tree attention of a batched round (``batch``): B rows with their own prefixes (40 to 1,500
+  tokens) over a 2048-slot cache, through ``attention.attend`` as rounds call it: SDPA under the dense mask
+  (every slot read, keys and values repeated per query head), FlexAttention with per-row lists (written per
+  head) and with shared lists; each also checked against SDPA (largest absolute difference).
 
-    python eval/device/bench_ops.py --out $OUT/bench_ops.json
+    python eval/device/bench_ops.py --out $OUT/bench_ops.json [--skip topk,flex,batch]
 """
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -122,10 +127,36 @@ def bench_flex(heads: int, kv_heads: int, dim: int, slots: int, prefix: int) -> 
     return rows
 
 
+def bench_batch(heads: int, kv_heads: int, dim: int, slots: int) -> list[dict]:
+    from fsd_eagle.attention import attend, block_mask
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for b, n in itertools.product((8, 64), (1, 16, 64)):
+        q = torch.randn(b, heads, n, dim, generator=gen).to("cuda", torch.bfloat16)
+        k = torch.randn(b, kv_heads, slots, dim, generator=gen).to("cuda", torch.bfloat16)
+        v = torch.randn_like(k)
+        prefix = torch.randint(40, min(1500, slots - n), (b,), generator=gen).cuda()
+        anc = ((torch.rand(b, n, n, generator=gen) < 0.5).tril() | torch.eye(n, dtype=torch.bool)).cuda()
+        mask = SlotMask(prefix, anc, slots)
+        forms = {"sdpa": prepare_mask(mask, "sdpa", torch.bfloat16),
+                 "flex_per_row": block_mask(mask, heads=heads), "flex_shared": block_mask(mask, shared=True)}
+        want = attend(q, k, v, forms["sdpa"]).float()
+        for name, m in forms.items():
+            torch._dynamo.reset()
+            fn = torch.compile(lambda q, m=m: attend(q, k, v, m), dynamic=False)
+            err = round(float((fn(q).float() - want).abs().max()), 5)
+            rows.append({"op": f"batch_attention_{name}", "batch": b, "q_rows": n, "slots": slots,
+                         "prefixes_mean": round(float(prefix.float().mean()), 1), "us": graph_us(lambda: fn(q)),
+                         "max_abs_diff_vs_sdpa": err})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--skip", default="", help="comma list of sections to skip: topk,flex")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: topk,flex,batch")
     a = p.parse_args()
     skip = set(a.skip.split(","))
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
@@ -133,6 +164,8 @@ def main() -> None:
         out["rows"] += bench_topk(49152, 8)
     if "flex" not in skip:
         out["rows"] += bench_flex(9, 3, 64, 2048, 500)
+    if "batch" not in skip:
+        out["rows"] += bench_batch(9, 3, 64, 2048)
     write_text_atomic(a.out, json.dumps(out, indent=1))
 
 
