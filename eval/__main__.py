@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fsd_eagle.config import SamplingConfig
+from fsd_eagle.config import SamplingConfig, TreeConfig
 from fsd_eagle.errors import ConfigError, FSDError
 from fsd_eagle.jsonl import write_text_atomic
 
@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (question i with seed --seed + i); default 0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", metavar="T/D/K[/vV]",
+                   help="draft tree, e.g. 64/6/8/v16384 (default: fsd_eagle.config.TreeConfig's defaults)")
     p.add_argument("--out", help="also write the JSON to OUT/tau.json")
 
     sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
@@ -138,12 +140,16 @@ def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
     questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
     if a.per_category is not None:
         questions = first_per_category(questions, a.per_category)
-    try:  # a temperature that generate would refuse, refused before any model loads
+    try:  # a temperature or tree that generate would refuse, refused before any model loads
         SamplingConfig(temperature=a.temperature)
     except ConfigError as e:
         raise ConfigError(f"--{e}") from None
+    try:
+        tree = TreeConfig.parse(a.tree) if a.tree else TreeConfig()
+    except ConfigError as e:
+        raise ConfigError(f"--tree: {e}") from None
     result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers,
-                         temperature=a.temperature, seed=a.seed)
+                         tree=tree.to_dict(), temperature=a.temperature, seed=a.seed)
     text = json.dumps(result)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_
             per[key][0] += r["new_tokens"]
             per[key][1] += r["target_forwards"]
             per[key][2] += 1
-    return {"tau": {k: round(v[0] / v[1], 3) for k, v in per.items()},
+    return {"tau": {k: round(v[0] / v[1], 3) for k, v in per.items()}, "tree": opts["tree"],
             "questions": {k: v[2] for k, v in per.items()}, "temperature": temperature,
             **({"seed": seed} if temperature else {}), "seconds": round(time.perf_counter() - start, 1)}
 

@@ -298,6 +298,15 @@ def test_tau_command(folders, tmp_path, capsys):
     assert result["questions"]["all"] == 2 and result["tau"]["all"] >= 1.0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["temperature"] == 0.0 and "seed" not in result
+    from fsd_eagle.config import TreeConfig
+
+    assert result["tree"] == TreeConfig().to_dict()
+    assert eval_main(["tau", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+                      "--dtype", "float32", "--limit", "1", "--max-new-tokens", "4", "--tree", "2/1/1"]) == 0
+    chain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert chain["tree"] == {"total_tokens": 2, "depth": 1, "top_k": 1} and 1.0 <= chain["tau"]["all"] <= 2.0
+    assert eval_main(["tau", "--device", "cpu", "--tree", "8/x/2"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --tree: expected a tree")
 
 
 def test_sampled_tau_is_reproducible_per_question(folders, tmp_path, capsys):
