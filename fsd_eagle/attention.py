@@ -3,8 +3,12 @@
 A ``cache.SlotMask`` (which cache slots each query row sees) is prepared once per forward for one of two
 backends, then every layer attends with it:
 
-- ``"sdpa"``: SDPA with an additive mask ``[1, 1, n, S]`` (transformers' own SDPA function for the target).
-  It reads all S slots, used or not: on the H200 the masked kernel over a 2048-slot cache was a third of
+- ``"sdpa"``: SDPA with an additive mask ``[B, 1, n, S]``. With grouped-query attention (H_q = g x H_kv
+  heads) and few query rows (rounds, short prefills: g x n <= PACK_ROWS), the mask is packed: ``[B, 1, g x n,
+  S]``, and each key/value head attends for its g query heads at once (queries ``[B, H_kv, g x n, d]``), so
+  the cache is read as it is instead of being copied g times per layer (``repeat_kv``, which SDPA's masked
+  CUDA kernels need otherwise: at batch 64 over 2,048 slots those copies were most of a decoding step).
+  Otherwise keys and values are repeated per query head. It reads all S slots, used or not: on the H200 the masked kernel over a 2048-slot cache was a third of
   an EAGLE-2 round (1.2 of 3.5 ms). A mask of fewer columns than the cache has slots, ``[.., n, S']`` (a
   ``SlotMask`` whose ``max_len`` is S' < S), covers the first S' slots only, and only those are read: a
   prefill into an empty cache attends over its own L slots (on the H200 the kernel over the whole cache
@@ -31,6 +35,10 @@ from .errors import ConfigError
 BACKENDS = ("sdpa", "flex")
 ATTENTION_NAME = "fsd_eagle"
 FLEX_BLOCK = 128
+#: Packed SDPA masks (see the module docstring) have at most this many rows: every round of a tree of up to
+#: 512 / g nodes, and prefills of as many tokens; a longer prefill's mask would be g times larger than the
+#: key/value copies it saves.
+PACK_ROWS = 512
 
 
 def whole_blocks(slots: int) -> int:
@@ -38,20 +46,34 @@ def whole_blocks(slots: int) -> int:
     return -(-slots // FLEX_BLOCK) * FLEX_BLOCK
 
 
-def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype, heads: int = 1):
+def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype, heads: int = 1, kv_heads: int | None = None):
     """``mask`` in the form ``attend`` takes for ``backend`` (its cache size a multiple of FLEX_BLOCK for
-    "flex"); ``heads``: the query heads of the layers that attend with it (``block_mask``)."""
+    "flex"); ``heads`` / ``kv_heads``: the query and key/value heads of the layers that attend with it
+    (``block_mask``'s lists per head; SDPA's packed mask ``[B, 1, g x n, S]``, row j x n + i being query row
+    i, where g = heads / kv_heads > 1 and g x n <= PACK_ROWS; else ``[B, 1, n, S]``)."""
     if backend == "flex":
         return block_mask(mask, heads=heads)
     neg = torch.finfo(dtype).min
-    dense = mask.dense()
-    return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg).unsqueeze(1)
+    dense = mask.dense()  # [B, n, S]
+    additive = torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg)
+    groups = heads // kv_heads if kv_heads else 1
+    if groups > 1 and groups * dense.shape[1] <= PACK_ROWS:
+        additive = additive.repeat(1, groups, 1)
+    return additive.unsqueeze(1)
+
+
+def packed(mask, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``mask`` is a packed SDPA mask for queries ``q`` ``[B, H_q, n, d]`` and keys ``k`` ``[B, H_kv,
+    S, d]`` (``prepare_mask``): a 4-d tensor of g x n rows, g = H_q / H_kv > 1."""
+    groups = q.shape[1] // k.shape[1]
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and groups > 1
+            and mask.shape[-2] == groups * q.shape[2])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
-    """q ``[B, H_q, n, d]``, k/v ``[B, H_kv, S, d]`` (the whole cache), mask from ``prepare_mask``, or a
-    boolean ``[n, S]`` (True = attend; the head's unrolled training steps); a tensor mask of S' < S columns
-    reads the first S' slots only. Returns ``[B, H_q, n, d]``."""
+    """q ``[B, H_q, n, d]``, k/v ``[B, H_kv, S, d]`` (the whole cache), mask from ``prepare_mask`` (packed or
+    not), or a boolean ``[n, S]`` (True = attend; the head's unrolled training steps); a tensor mask of S' < S
+    columns reads the first S' slots only. Returns ``[B, H_q, n, d]``."""
     groups = q.shape[1] // k.shape[1]
     if not isinstance(mask, torch.Tensor):  # a BlockMask
         from torch.nn.attention.flex_attention import flex_attention
@@ -59,6 +81,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
         return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=groups > 1,
                               kernel_options=_flex_options(q))
     k, v = mask_keys(k, v, mask)
+    if packed(mask, q, k):  # each key/value head attends for its g query heads: [B, H_kv, g * n, d]
+        b, h, n, d = q.shape
+        out = F.scaled_dot_product_attention(q.reshape(b, h // groups, groups * n, d), k, v, attn_mask=mask,
+                                             scale=scale)
+        return out.view(b, h, n, d)
     if groups > 1:  # SDPA's masked kernels have no grouped-query support on CUDA
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -140,13 +167,13 @@ def block_mask(mask: SlotMask, shared: bool = False, heads: int = 1):
 
 
 def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function (registered as ATTENTION_NAME): BlockMasks go to ``attend``, anything
-    else to the stock SDPA function (over the slots a narrower mask covers: ``mask_keys``). Returns
-    ``([B, n, H_q, d], None)``."""
+    """transformers attention function (registered as ATTENTION_NAME): BlockMasks and packed SDPA masks go to
+    ``attend``, anything else to the stock SDPA function (over the slots a narrower mask covers:
+    ``mask_keys``). Returns ``([B, n, H_q, d], None)``."""
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not isinstance(attention_mask, BlockMask):
+    if not isinstance(attention_mask, BlockMask) and not packed(attention_mask, query, key):
         key, value = mask_keys(key, value, attention_mask)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -221,8 +221,8 @@ class EagleDrafter(SlotDrafter):
 
     def _forward(self, tokens, states, positions, slots, mask, backend=None):
         embeds = self.target.draft_embed(tokens)
-        heads = self.head.config.num_attention_heads
-        mask = prepare_mask(mask, backend or self.target.attention, embeds.dtype, heads)
+        heads = self.head.config.num_attention_heads, self.head.config.num_key_value_heads
+        mask = prepare_mask(mask, backend or self.target.attention, embeds.dtype, *heads)
         return self.head(embeds, states.to(embeds.dtype), positions, self.cache, slots, mask)
 
     @torch.no_grad()

@@ -173,13 +173,13 @@ class Target:
         """The mask(s) in the attention backend's form; sliding-window layers get the window on key
         positions too. Models without ``layer_types`` (Mistral, Phi-3, ...) slide on every layer whenever
         ``sliding_window`` is set."""
-        heads = self.num_q_heads
+        heads = self.num_q_heads, self.num_kv_heads
         if not self.slides:
-            return attention.prepare_mask(mask, backend, self.dtype, heads)
-        window = attention.prepare_mask(mask.windowed(positions, self.sliding_window), backend, self.dtype, heads)
+            return attention.prepare_mask(mask, backend, self.dtype, *heads)
+        window = attention.prepare_mask(mask.windowed(positions, self.sliding_window), backend, self.dtype, *heads)
         if not self.layer_types:
             return window
-        return {"full_attention": attention.prepare_mask(mask, backend, self.dtype, heads),
+        return {"full_attention": attention.prepare_mask(mask, backend, self.dtype, *heads),
                 "sliding_attention": window}
 
     def logits(self, features: torch.Tensor, weight: torch.Tensor | None = None,

@@ -190,6 +190,34 @@ def test_greedy_decoding_is_exact_with_flex_attention(arch):
         check_greedy_exact(arch, model, kind, seeds=(0,), backend=backend)
 
 
+@pytest.mark.parametrize("heads,kv_heads,n", [(9, 3, 1), (9, 3, 64), (4, 2, 200), (9, 3, 171), (4, 4, 8)])
+def test_packed_sdpa_masks_give_the_repeated_keys_result(heads, kv_heads, n):
+    """Grouped-query SDPA with a packed mask (each key/value head attends for its query heads at once, no
+    key/value copies) equals SDPA over keys and values repeated per query head, in float32, for batch rows
+    with their own prefixes; masks of more than PACK_ROWS rows (and models without grouped heads) are not
+    packed. The target's attention function takes packed masks too."""
+    from fsd_eagle.attention import PACK_ROWS, attend, packed, prepare_mask, tree_attention
+
+    gen = torch.Generator().manual_seed(n)
+    b, slots, d = 3, 512, 16
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = torch.randn(b, kv_heads, slots, d, generator=gen), torch.randn(b, kv_heads, slots, d, generator=gen)
+    anc = (torch.rand(b, n, n, generator=gen) < 0.5).tril() | torch.eye(n, dtype=torch.bool)
+    mask = SlotMask(torch.tensor([0, 37, 300]), anc, slots)
+    plain = prepare_mask(mask, "sdpa", torch.float32)
+    mine = prepare_mask(mask, "sdpa", torch.float32, heads, kv_heads)
+    groups = heads // kv_heads
+    assert packed(mine, q, k) == (groups > 1 and groups * n <= PACK_ROWS)
+    assert mine.shape == (b, 1, (groups if packed(mine, q, k) else 1) * n, slots)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=plain)
+    torch.testing.assert_close(attend(q, k, v, mine), want, atol=2e-6, rtol=0)
+    torch.testing.assert_close(attend(q, k, v, plain), want, atol=2e-6, rtol=0)
+    if packed(mine, q, k):  # (others go to transformers' own SDPA function, which needs the model's module)
+        out, _ = tree_attention(None, q, k, v, mine, scaling=d ** -0.5)
+        torch.testing.assert_close(out, want.transpose(1, 2), atol=2e-6, rtol=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 140), m_extra=st.integers(0, 30), prefix=st.integers(0, 400), window=st.sampled_from([None, 5, 200]),
        seed=st.integers(0, 10_000), shared=st.booleans())

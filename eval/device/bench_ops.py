@@ -5,10 +5,11 @@
   fsd_eagle.kernels.topk (checked against torch.topk first), and the small top-k over the k x k children;
 - FlexAttention for 1, 8 and 48 query rows over a 2048-slot cache with a ~500-token prefix, under
   kernel_options (query/key tile sizes, warps, stages);
-- one layer's tree attention of a batched round (``batch``): B rows with their own prefixes (40 to 1,500
-  tokens) over a 2048-slot cache, through ``attention.attend`` as rounds call it: SDPA under the dense mask
-  (every slot read, keys and values repeated per query head), FlexAttention with per-row lists (written per
-  head) and with shared lists; each also checked against SDPA (largest absolute difference).
+- one layer's tree attention of a batched round (``batch``): B = 8 or 64 rows of n = 1 (AR) or 64 (a
+  tree) new tokens, each row with its own prefix (40 to 1,500 tokens) over a 2048-slot cache, through
+  ``attention.attend`` as rounds call it: SDPA under the dense mask (every slot read) with keys and values
+  repeated per query head and with the packed mask (no copies), FlexAttention with per-row lists (written
+  per head) and with shared lists; each also checked against the first (largest absolute difference).
 
     python eval/device/bench_ops.py --out $OUT/bench_ops.json [--skip topk,flex,batch]
 """
@@ -132,7 +133,7 @@ def bench_batch(heads: int, kv_heads: int, dim: int, slots: int) -> list[dict]:
 
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for b, n in itertools.product((8, 64), (1, 16, 64)):
+    for b, n in itertools.product((8, 64), (1, 64)):
         q = torch.randn(b, heads, n, dim, generator=gen).to("cuda", torch.bfloat16)
         k = torch.randn(b, kv_heads, slots, dim, generator=gen).to("cuda", torch.bfloat16)
         v = torch.randn_like(k)
@@ -140,6 +141,7 @@ def bench_batch(heads: int, kv_heads: int, dim: int, slots: int) -> list[dict]:
         anc = ((torch.rand(b, n, n, generator=gen) < 0.5).tril() | torch.eye(n, dtype=torch.bool)).cuda()
         mask = SlotMask(prefix, anc, slots)
         forms = {"sdpa": prepare_mask(mask, "sdpa", torch.bfloat16),
+                 "sdpa_packed": prepare_mask(mask, "sdpa", torch.bfloat16, heads, kv_heads),
                  "flex_per_row": block_mask(mask, heads=heads), "flex_shared": block_mask(mask, shared=True)}
         want = attend(q, k, v, forms["sdpa"]).float()
         for name, m in forms.items():
