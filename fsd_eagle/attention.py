@@ -4,15 +4,15 @@ A ``cache.SlotMask`` (which cache slots each query row sees) is prepared once pe
 backends, then every layer attends with it:
 
 - ``"sdpa"``: SDPA with an additive mask ``[B, 1, n, S]``. With grouped-query attention (H_q = g x H_kv
-  heads) and few query rows (rounds, short prefills: g x n <= PACK_ROWS), the mask is packed: ``[B, 1, g x n,
-  S]``, and each key/value head attends for its g query heads at once (queries ``[B, H_kv, g x n, d]``), so
-  the cache is read as it is instead of being copied g times per layer (``repeat_kv``, which SDPA's masked
-  CUDA kernels need otherwise: at batch 64 over 2,048 slots those copies were most of a decoding step).
-  Otherwise keys and values are repeated per query head. It reads all S slots, used or not: on the H200 the masked kernel over a 2048-slot cache was a third of
-  an EAGLE-2 round (1.2 of 3.5 ms). A mask of fewer columns than the cache has slots, ``[.., n, S']`` (a
-  ``SlotMask`` whose ``max_len`` is S' < S), covers the first S' slots only, and only those are read: a
-  prefill into an empty cache attends over its own L slots (on the H200 the kernel over the whole cache
-  was half of a 128-token prefill: 3.5 of 6.9 ms).
+  heads) and few query rows (rounds, short prefills: g x n <= PACK_ROWS), the mask is packed: ``[B, 1,
+  g x n, S]``, and each key/value head attends for its g query heads at once (queries ``[B, H_kv, g x n,
+  d]``), so the cache is read as it is instead of being copied g times in every layer (``repeat_kv``, which
+  SDPA's masked CUDA kernels need otherwise; the copies grow with the batch and the cache). Otherwise keys
+  and values are repeated per query head. It reads all S slots, used or not: on the H200 the masked kernel
+  over a 2048-slot cache was a third of an EAGLE-2 round (1.2 of 3.5 ms). A mask of fewer columns than the
+  cache has slots, ``[.., n, S']`` (a ``SlotMask`` whose ``max_len`` is S' < S), covers the first S' slots
+  only, and only those are read: a prefill into an empty cache attends over its own L slots (on the H200 the
+  kernel over the whole cache was half of a 128-token prefill: 3.5 of 6.9 ms).
 - ``"flex"``: FlexAttention with a block-sparse mask: KV blocks that no row sees (the unused end of the
   cache) are skipped, and grouped-query heads share their keys in the kernel (no ``repeat_kv`` copies).
   Fast only when compiled (the compiled CUDA round: 3.9 -> 3.0 ms per EAGLE-2 round); its eager form is a
@@ -53,13 +53,12 @@ def prepare_mask(mask: SlotMask, backend: str, dtype: torch.dtype, heads: int = 
     i, where g = heads / kv_heads > 1 and g x n <= PACK_ROWS; else ``[B, 1, n, S]``)."""
     if backend == "flex":
         return block_mask(mask, heads=heads)
-    neg = torch.finfo(dtype).min
     dense = mask.dense()  # [B, n, S]
-    additive = torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg)
     groups = heads // kv_heads if kv_heads else 1
     if groups > 1 and groups * dense.shape[1] <= PACK_ROWS:
-        additive = additive.repeat(1, groups, 1)
-    return additive.unsqueeze(1)
+        dense = dense.repeat(1, groups, 1)  # [B, g * n, S]
+    neg = torch.finfo(dtype).min
+    return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, neg).unsqueeze(1)
 
 
 def packed(mask, q: torch.Tensor, k: torch.Tensor) -> bool:
