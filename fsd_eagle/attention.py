@@ -84,7 +84,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
         b, h, n, d = q.shape
         out = F.scaled_dot_product_attention(q.reshape(b, h // groups, groups * n, d), k, v, attn_mask=mask,
                                              scale=scale)
-        return out.view(b, h, n, d)
+        return out.reshape(b, h, n, d)  # CUDA kernels may return [B, H_kv, g*n, d] with other strides
     if groups > 1:  # SDPA's masked kernels have no grouped-query support on CUDA
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
