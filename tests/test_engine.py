@@ -218,6 +218,30 @@ def test_packed_sdpa_masks_give_the_repeated_keys_result(heads, kv_heads, n):
         torch.testing.assert_close(out, want.transpose(1, 2), atol=2e-6, rtol=0)
 
 
+def test_packed_sdpa_takes_outputs_in_any_memory_layout(monkeypatch):
+    """CUDA's SDPA kernels return ``[B, H, n, d]`` laid out as ``[B, n, H, d]``; for a packed call that
+    layout cannot be split back into query heads by a view. ``attend`` gives the same values for an SDPA
+    that returns its output so laid out."""
+    import fsd_eagle.attention as attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, n, slots, d = 2, 9, 3, 4, 64, 8
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = torch.randn(b, kv_heads, slots, d, generator=gen), torch.randn(b, kv_heads, slots, d, generator=gen)
+    mask = attention.prepare_mask(SlotMask(torch.tensor([3, 20]), torch.eye(n, dtype=torch.bool).expand(b, n, n),
+                                           slots), "sdpa", torch.float32, heads, kv_heads)
+    assert attention.packed(mask, q, k)
+    want = attention.attend(q, k, v, mask)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def rows_major(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", rows_major)
+    torch.testing.assert_close(attention.attend(q, k, v, mask), want, atol=0, rtol=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 140), m_extra=st.integers(0, 30), prefix=st.integers(0, 400), window=st.sampled_from([None, 5, 200]),
        seed=st.integers(0, 10_000), shared=st.booleans())
