@@ -324,8 +324,8 @@ def round_attention(compiled: bool, config, preferred: str | None = None, rows: 
     """The tree attention of a session's rounds: FlexAttention only where the round is compiled (eager
     FlexAttention is a slow reference), and only for models it fits; else SDPA. ``preferred``: a user's
     choice ("sdpa" or "flex"; None: flex for one-row rounds, measured fastest for compiled GPU rounds, and
-    SDPA for ``rows`` > 1: batched rounds compiled with FlexAttention decoded rows differently from alone on
-    an H100, which no CPU run can check, see ``attention.block_mask``)."""
+    SDPA for ``rows`` > 1, the form whose batched throughput the batch presets were tuned with; both decode
+    every row as alone on a GPU, FlexAttention with per-row block lists per head, ``attention.block_mask``)."""
     if compiled and flex_supported(config) and (preferred == "flex" or (preferred is None and rows == 1)):
         return "flex"
     return "sdpa"
