@@ -19,9 +19,9 @@ timed run, everything the process holds included; None on the CPU), ``prompts``,
 (tokens_per_s over the AR row of the same batch size in the same file), and ``new_tokens``, ``wall_s``,
 ``temperature``, ``compile``, ``mode`` / ``attention`` (how the rounds ran), and where the wall time went
 (``time_split``: device seconds in prefills and in rounds, their counts, ms per round, the rest). At batch
-size 1 our rows also give ``head_prompts``, ``head_tokens_per_s`` and ``head_tau``: those of MT-bench's first
-turns alone (the speed benchmark's set; None elsewhere). New tokens are counted as ``DecodeStats.new_tokens``
-counts them: the tokens before the first EOS, plus the EOS when one ended the text.
+size 1 our rows also give ``mt_bench_prompts``, ``mt_bench_tokens_per_s`` and ``mt_bench_tau``: those of
+MT-bench's first turns alone (the speed benchmark's set; None elsewhere). New tokens are counted as
+``DecodeStats.new_tokens`` counts them: the tokens before the first EOS, plus the EOS when one ended the text.
 
 The file (default ``eval/results/gpu_batch.json`` on a GPU, ``cpu_batch.json`` on the CPU) is rewritten
 atomically after every row, so a killed run leaves a valid file with the rows it finished. Its ``meta`` holds
@@ -147,7 +147,7 @@ def _warm_prompts(encoded: list[list[int]], batch_size: int) -> list[list[int]]:
 
 
 def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens: int, kwargs: dict, *,
-                 temperature: float, top_p: float, seed: int, warmup: int, head: int = 0) -> dict:
+                 temperature: float, top_p: float, seed: int, warmup: int, mt_bench: int = 0) -> dict:
     """One ``generate`` call over every prompt, ``batch_size`` at a time, timed as a whole. Before it, with
     ``warmup`` > 0: that many untimed calls on one batch of the longest prompts (the largest caches, graph
     capture and compilation of the rounds), then a 2-token call over every prompt in the timed run's batches
@@ -155,7 +155,7 @@ def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens:
     prefill rows at each prompt-length bucket, ``Session.prepare_prefills``: which ones it meets depends on
     when rows finish), so that none of this is timed.
 
-    ``head`` > 0 at batch size 1: also the tokens/s and tau of the first ``head`` prompts alone (MT-bench's
+    ``mt_bench`` > 0 at batch size 1: also the tokens/s and tau of the first ``mt_bench`` prompts alone (MT-bench's
     first turns, the speed benchmark's set): their new tokens over the sum of their own decoding times
     (``DecodeStats.elapsed_s``; one prompt decodes at a time, so these do not overlap)."""
     dev = gen.target.device
@@ -184,13 +184,13 @@ def measure_ours(gen, encoded: list[list[int]], batch_size: int, max_new_tokens:
     spent = session.clock.totals()
     new = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
-    first = results[:head] if batch_size == 1 else []
+    first = results[:mt_bench] if batch_size == 1 else []
     first_new, first_s = sum(r.stats.new_tokens for r in first), sum(r.stats.elapsed_s for r in first)
     first_forwards = sum(r.stats.target_forwards for r in first)
     return {"new_tokens": new, "wall_s": wall, "tau": new / forwards if forwards else None,
-            "head": dict(head_prompts=len(first) or None,
-                         head_tokens_per_s=round(first_new / first_s, 2) if first_s > 0 else None,
-                         head_tau=round(first_new / first_forwards, 3) if first_forwards else None),
+            "mt_bench": dict(mt_bench_prompts=len(first) or None,
+                             mt_bench_tokens_per_s=round(first_new / first_s, 2) if first_s > 0 else None,
+                             mt_bench_tau=round(first_new / first_forwards, 3) if first_forwards else None),
             "peak_mem_gb": _peak(dev), "prompts": len(encoded),
             "tree": session.tree.to_dict() if session.drafter is not None else None,
             "mode": results[-1].stats.mode, "attention": results[-1].stats.attention, "spent": spent}
@@ -217,7 +217,7 @@ def measure_hf(gen, encoded: list[list[int]], batch_size: int, max_new_tokens: i
     wall = time.perf_counter() - t
     return {"new_tokens": new, "wall_s": wall, "tau": None, "peak_mem_gb": _peak(dev), "prompts": len(encoded),
             "tree": None, "mode": "hf", "attention": None, "spent": None,
-            "head": dict(head_prompts=None, head_tokens_per_s=None, head_tau=None)}
+            "mt_bench": dict(mt_bench_prompts=None, mt_bench_tokens_per_s=None, mt_bench_tau=None)}
 
 
 def time_split(spent: dict | None, wall_s: float) -> dict:
@@ -284,10 +284,10 @@ def read_existing(path: Path, settings: dict) -> tuple[list[dict], list[dict]]:
 def run_batch(gen, prompts: list[str], batch_sizes: list[int], methods: list[str], fsd: list[tuple[str, float]],
               *, output: Path, max_new_tokens: int, hf_limit: int | None = None, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 0, warmup: int = 1, resume: bool = False, settings: dict,
-              meta: dict, head: int = 0, log=print) -> list[dict]:
+              meta: dict, mt_bench: int = 0, log=print) -> list[dict]:
     """Measure every (batch size, method) not yet in ``output`` (with ``resume``), rewriting the file after each
-    row; returns all its rows, annotated. ``head``: the batch-1 rows also time the first ``head`` prompts
-    alone (``measure_ours``)."""
+    row; returns all its rows, annotated. ``mt_bench``: the batch-1 rows also time the first ``mt_bench``
+    prompts alone (``measure_ours``)."""
     encoded = [gen.encode(p) for p in prompts]
     settings = json.loads(json.dumps(settings))  # as it reads back from the file
     rows, earlier = read_existing(output, settings) if resume else ([], [])
@@ -305,13 +305,13 @@ def run_batch(gen, prompts: list[str], batch_sizes: list[int], methods: list[str
                 n = len(encoded) if hf_limit is None else min(len(encoded), max(batch_size, hf_limit))
                 m = measure_hf(gen, encoded[:n], batch_size, max_new_tokens, **sampling)
             else:
-                m = measure_ours(gen, encoded, batch_size, max_new_tokens, kwargs, head=head, **sampling)
+                m = measure_ours(gen, encoded, batch_size, max_new_tokens, kwargs, mt_bench=mt_bench, **sampling)
             row.update(tokens_per_s=round(m["new_tokens"] / m["wall_s"], 2),
                        tau=None if m["tau"] is None else round(m["tau"], 3), peak_mem_gb=m["peak_mem_gb"],
                        prompts=m["prompts"], max_new_tokens=max_new_tokens, device=device, dtype=dtype,
                        tree=m["tree"], new_tokens=m["new_tokens"], wall_s=round(m["wall_s"], 3),
                        temperature=temperature, compile=bool(gen.compile), mode=m["mode"], attention=m["attention"],
-                       **time_split(m["spent"], m["wall_s"]), **m["head"])
+                       **time_split(m["spent"], m["wall_s"]), **m["mt_bench"])
             rows.append(row)
             done.add(row_key(row))
             write_json_atomic(output, {"meta": meta, "rows": annotate(rows)})
@@ -321,9 +321,9 @@ def run_batch(gen, prompts: list[str], batch_sizes: list[int], methods: list[str
                 f"vs AR {shown['vs_ar']}  tau {shown['tau']}  mem {shown['peak_mem_gb']}  {m['prompts']} prompts  "
                 f"{shown['wall_s']:.1f} s" + ("" if shown["rounds"] is None else
                 f" (prefills {shown['prefill_s']:.1f} s, {shown['rounds']} rounds of {shown['ms_per_round']} ms)")
-                + ("" if shown["head_prompts"] is None else
-                   f"; first {shown['head_prompts']} prompts alone {shown['head_tokens_per_s']} tok/s, "
-                   f"tau {shown['head_tau']}"))
+                + ("" if shown["mt_bench_prompts"] is None else
+                   f"; MT-bench's {shown['mt_bench_prompts']} alone {shown['mt_bench_tokens_per_s']} tok/s, "
+                   f"tau {shown['mt_bench_tau']}"))
     rows = annotate(rows)
     if not rows:  # nothing measured and nothing resumed: still a valid file
         write_json_atomic(output, {"meta": meta, "rows": rows})
@@ -418,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             **versions(), "device": device, "dtype": dtype}
     print(f"{len(prompts)} prompts, batch sizes {batch_sizes}, tree {tree.to_dict()}, {device}, {dtype}, "
           f"writing {output}", flush=True)
-    head = min(len(prompts), len(load_mt_bench()))  # the prompt set starts with MT-bench's first turns
+    mt_bench = min(len(prompts), len(load_mt_bench()))  # the prompt set starts with MT-bench's first turns
     rows = run_batch(gen, prompts, batch_sizes, methods, fsd, output=output, max_new_tokens=a.max_new_tokens,
-                     head=head, hf_limit=a.hf_limit, temperature=a.temperature, top_p=a.top_p, seed=a.seed, warmup=a.warmup,
-                     resume=a.resume, settings=settings, meta=meta, log=lambda s: print(s, flush=True))
+                     mt_bench=mt_bench, hf_limit=a.hf_limit, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+                     warmup=a.warmup, resume=a.resume, settings=settings, meta=meta, log=lambda s: print(s, flush=True))
     print()
     print(format_table(rows))
     return 0

@@ -77,10 +77,10 @@ def test_rows_have_the_schema(folders, tmp_path, capsys):
             assert r["new_tokens"] <= 3 * 6
             # batch 1: the MT-bench prompts alone (here all 3 prompts): the same tau, their own decoding times
             if r["batch_size"] == 1:
-                assert r["head_prompts"] == 3 and r["head_tau"] == r["tau"]
-                assert r["head_tokens_per_s"] >= r["tokens_per_s"] * 0.999  # no time between the prompts
+                assert r["mt_bench_prompts"] == 3 and r["mt_bench_tau"] == r["tau"]
+                assert r["mt_bench_tokens_per_s"] >= r["tokens_per_s"] * 0.999  # no time between the prompts
             else:
-                assert r["head_prompts"] is r["head_tokens_per_s"] is r["head_tau"] is None
+                assert r["mt_bench_prompts"] is r["mt_bench_tokens_per_s"] is r["mt_bench_tau"] is None
     fsd = next(r for r in rows if r["method"] == "fsd")
     assert (fsd["divergence"], fsd["threshold"]) == ("kl", 1.0)
     assert next(r for r in rows if r["method"] == "ar")["vs_ar"] == 1.0
