@@ -246,10 +246,13 @@ def inductor_settings(freeze: bool, batched: bool) -> dict:
 
 
 def _compile(fn, dynamic: bool = False, batched: bool = False):
-    """``fn`` compiled by inductor. Static shapes, or with ``dynamic``: symbolic for the dimensions that its
-    caller marks (``mark_batch_dynamic``) from the first compilation on, and, by dynamo's automatic dynamic
-    shapes, for any other dimension once it differs from an earlier compilation (a prefill's padded prompt
-    length). Duck sizing (one symbol for dimensions that happen to be equal, such as a batch of 8 and a
+    """``fn`` compiled by inductor. Static shapes, or with ``dynamic``: symbolic exactly for the dimensions
+    that its caller marks (``mark_batch_dynamic``; a prefill's padded prompt length), from the first
+    compilation on. Dynamo's automatic dynamic shapes (a dimension turns symbolic once it differs from an
+    earlier compilation of the same function) is off while tracing: it would make a compilation depend on
+    what the process compiled before (a batched round after AR rounds gets other graphs than alone), so
+    kernels compiled by one process (a warm-up, a ``FSD_EAGLE_COMPILE_CACHE`` file) would not serve another
+    that runs the same plan; a size that no mark covers compiles again, static. Duck sizing (one symbol for dimensions that happen to be equal, such as a batch of 8 and a
     top-k of 8) is turned off while tracing: it would tie the batch to the tree and compile again for the
     next size. With ``freezing()``, compiled with inductor's freezing. Kernels of ``FSD_EAGLE_COMPILE_CACHE``
     (fsd_eagle.compile_cache) are loaded first. ``batched``: a batched round (implies ``dynamic``); inductor's
@@ -266,6 +269,7 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
     def call(*args, **kwargs):
         # Called for warm-ups and captures (graphs replay the rounds), so the patches cost nothing per round.
         with torch.fx.experimental._config.patch(use_duck_shape=not dynamic), \
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
                 torch._inductor.config.patch(inductor_settings(freeze, batched)), torch.no_grad():
             return compiled(*args, **kwargs)
 
@@ -313,8 +317,8 @@ def compiled_round(batched: bool = False):
 
 @functools.cache
 def compiled_prefill():
-    """``prefill`` compiled by inductor, with the padded prompt length symbolic once a second length bucket
-    appears (two compilations serve every bucket; a CUDA graph is still captured per bucket). A 64-token
+    """``prefill`` compiled by inductor, with the padded prompt length symbolic (the Session marks it: one
+    compilation serves every length bucket; a CUDA graph is still captured per bucket). A 64-token
     prefill of SmolLM2-135M replayed in 6.6-6.9 ms on an H100 when captured from eager kernels, in 4.7-4.9 ms
     compiled (static shapes)."""
     return _compile(prefill, dynamic=True)

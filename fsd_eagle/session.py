@@ -399,6 +399,7 @@ class Session:
             compiled = self.compile
             if compiled:
                 self._route_attention()
+                torch._dynamo.maybe_mark_dynamic(ids, 1)  # the padded length: one compilation for every bucket
                 if rows > 1:
                     mark_batch_dynamic(pre.target, pre.drafter, pre.state)
                     for t in (ids, length):

@@ -1469,3 +1469,68 @@ def test_a_failed_capture_says_where_the_wrapped_error_was_raised():
         except RuntimeError as e:
             line = check.__code__.co_firstlineno + 1
             assert failure(e) == f"backend compiler failed (AssertionError at test_engine.py:{line})"
+
+
+def _graph_signature(gm) -> tuple:
+    """What makes two dynamo graphs the same compilation: their code and their inputs' (symbolic) sizes."""
+    inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    sizes = tuple(tuple(str(s) for s in v.shape) if isinstance(v, torch.Tensor) else str(v) for v in inputs)
+    return gm.code, sizes
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+def test_a_compilation_does_not_depend_on_what_the_process_compiled_before(tiny_llama, monkeypatch):
+    """A GPU Session's compiled prefill and round are the same graphs whatever the process compiled before
+    (other rules, AR, one-row Sessions, another tree): sizes are symbolic only where the code marks them
+    (batch rows, the prefill's padded length), never because an earlier compilation of the same function
+    saw other sizes (dynamo's automatic dynamic shapes). So kernels compiled by one process (a warm-up, a
+    cache file of ``FSD_EAGLE_COMPILE_CACHE``) serve any other process that runs the same plan."""
+    graphs: list[tuple] = []
+
+    def recording(fn):
+        def backend(gm, example_inputs):
+            graphs.append((fn.__name__, _graph_signature(gm)))
+            return gm.forward
+        return backend
+
+    gpu_session_on_the_cpu(monkeypatch, recording)
+    eng = _engine("eagle", copy.deepcopy(tiny_llama))
+    big, small = TreeConfig(total_tokens=12, depth=4, top_k=3), TreeConfig(total_tokens=6, depth=3, top_k=2)
+    sampled = AcceptanceRule(SamplingConfig(temperature=0.8))
+
+    def compile_plans(plans) -> dict:
+        """Run each (name, tree, rule, drafting, batch) plan as a GPU Session would (prefills of two prompt
+        lengths, a captured round) in one fresh process; the graphs each plan compiled."""
+        torch._dynamo.reset()
+        compiled_prefill.cache_clear()
+        compiled_round.cache_clear()
+        out = {}
+        for name, cfg, rule, drafting, batch in plans:
+            rule = rule or GREEDY
+            start = len(graphs)
+            session = make_session(tree=cfg, rule=rule, engine=eng, graphs=True, compile=True, batch=batch,
+                                   drafting=drafting)
+            session.use_graph, session.compile, session.attention = True, True, "sdpa"
+            session.allocate(512)
+            rows = min(batch, 2)
+            for length in (40, 100):  # two prefill buckets (64 and 128 tokens)
+                ps = [random_prompt(i, 128, length, length) for i in range(rows)]
+                session.start_rows(list(range(rows)), ps, [rule] * rows, list(range(rows)))
+            assert session._capture_round() is not None
+            out[name] = graphs[start:]
+        return out
+
+    try:
+        alone = compile_plans([("e2 b4", big, None, True, 4)])
+        alone.update(compile_plans([("e2 b4 small", small, None, True, 4)]))
+        alone.update(compile_plans([("fsd b1", big, sampled, True, 1)]))
+        mixed = compile_plans([("ar b1", big, None, False, 1), ("fsd b1", big, sampled, True, 1),
+                               ("ar b4", big, None, False, 4), ("sampled b4", big, sampled, True, 4),
+                               ("e2 b4", big, None, True, 4), ("e2 b4 small", small, None, True, 4)])
+    finally:
+        compiled_prefill.cache_clear()
+        compiled_round.cache_clear()
+        torch._dynamo.reset()
+    for name in alone:
+        assert [fn for fn, _ in alone[name]] == ["prefill", "run_round"], name  # both buckets: one prefill graph
+        assert set(alone[name]) <= {g for plan in mixed.values() for g in plan}, name
