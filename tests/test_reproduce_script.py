@@ -352,3 +352,18 @@ def test_sharded_sweeps_run_their_processes_on_the_gpus_in_turn(tmp_path):
     speed = next(c for c in calls if "-m eval speed" in c)
     assert speed.startswith("1 ") and "--children sampled " in speed
     assert sum("-m eval table" in c for c in calls) == 2
+
+
+def test_batch_script_warms_on_another_gpu_beside_the_benchmark(tmp_path):
+    """WARM=ar,eagle2 WARM_GPU=1: the warm-ups run on GPU 1 with the benchmark's batch sizes less 1 (batch 1
+    the benchmark compiles first itself), the benchmark on the job's GPUs; neither runs again."""
+    res, _ = run_host_script(tmp_path, "batch.sh", ["--batch-sizes", "1,8,32"], "benchmark ended, status 0",
+                             KERNELS="0", WARM="ar,eagle2", WARM_GPU="1")
+    calls = [c for c in (tmp_path / "calls.gpu").read_text().splitlines() if " -m eval" in c]
+    common = "-m eval batch --device cuda --dtype bfloat16 --compile --batch-sizes 1,8,32 --batch-sizes 8,32"
+    assert sorted(c for c in calls if "warm-" in c) == [
+        f"1 {common} --methods {m} --limit 64 --max-new-tokens 8 --output {res}/warm-{m}.json" for m in ("ar", "eagle2")]
+    assert [c for c in calls if "warm-" not in c] == [
+        f"all -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume --output "
+        f"{res}/gpu_batch.json --batch-sizes 1,8,32"]
+    assert (res / "warmed").is_file()

@@ -21,15 +21,26 @@
 # make, such as --inductor-freezing); BATCH=0 stops after them (and the tuner). KERNELS=0 keeps no kernels file.
 # WARM=ar,eagle2,fsd first runs one short benchmark per method (64 prompts, 8 new tokens, the same batch sizes
 # and options) side by side on the same GPU, once: compilation is mostly CPU work, so the methods' graphs
-# compile in parallel into the host's inductor cache, and the full benchmark then finds them there.
+# compile in parallel into the host's inductor cache, and the full benchmark then finds them there (a
+# compilation depends only on its configuration, not on what its process compiled before). With WARM_GPU=N
+# (a second GPU) the warm-ups run on GPU N at the same time as the benchmark, at nice 10 and pinned to the
+# cores of WARM_CPUS if given (e.g. 16-31; pin the benchmark with taskset around this script), and skip
+# batch size 1, which the benchmark compiles first itself: the batched configurations are ready by the time it
+# gets there (on two H200s the whole table then took 23 minutes instead of not fitting in 30).
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
-# One compile job id for the tuner and the benchmark: dynamo's profile of which dimensions turned out dynamic
-# (the batch size, the tree size) is then shared, so the benchmark compiles symbolic shapes at once.
-export TORCH_COMPILE_JOB_ID=${TORCH_COMPILE_JOB_ID:-fsd-eagle-batch}
+# The batch sizes of the warm-ups that run beside the benchmark: the benchmark's (its --batch-sizes, or the
+# default), less 1.
+sizes=1,4,8,16,32,64; prev=""
+for a in "$@"; do
+  if [ "$prev" = --batch-sizes ]; then sizes=$a; fi
+  case $a in --batch-sizes=*) sizes=${a#*=} ;; esac
+  prev=$a
+done
+WARM_SIZES=$(echo ",$sizes," | sed 's/,1,/,/g; s/^,//; s/,$//')
 bash eval/device/assemble.sh
 [ -f "${STORE:-/root/carry}/.unpacked" ] || exit 0  # more pieces to come
 mkdir -p "$RES"
@@ -59,6 +70,7 @@ if needs_start; then
   if [ -f "$RES/presets.json" ]; then cp "$RES/presets.json" "$RES/code/fsd_eagle/presets.json"; fi
   # bash -c records its own pid (alive while the run goes on) and the exit status of the tuner or benchmark.
   (cd "$RES/code" && PYTHONPATH="$RES/code" TUNE="${TUNE:-}" SPEED="${SPEED:-}" BATCH="${BATCH:-1}" WARM="${WARM:-}" \
+      WARM_GPU="${WARM_GPU:-}" WARM_CPUS="${WARM_CPUS:-}" WARM_SIZES="$WARM_SIZES" \
       setsid nohup bash -c 'echo $$ > "$0/pid";
       IFS="|" read -ra runs <<< "$SPEED"
       for i in "${!runs[@]}"; do
@@ -75,16 +87,22 @@ if needs_start; then
       fi
       if [ -f "$0/presets.json" ]; then cp "$0/presets.json" fsd_eagle/presets.json; fi
       if [ "$BATCH" = 0 ]; then echo 0 > "$0/rc"; exit; fi
-      if [ -n "$WARM" ] && [ ! -f "$0/warmed" ]; then
+      if [ -n "$WARM" ] && [ ! -f "$0/warmed" ] && { [ -z "$WARM_GPU" ] || [ -n "$WARM_SIZES" ]; }; then
+        where=(); sizes=()
+        if [ -n "$WARM_GPU" ]; then  # beside the benchmark, on the other GPU
+          where=(env CUDA_VISIBLE_DEVICES="$WARM_GPU" nice -n 10 ${WARM_CPUS:+taskset -c "$WARM_CPUS"})
+          sizes=(--batch-sizes "$WARM_SIZES")
+        fi
         for m in ${WARM//,/ }; do
-          python3 -m eval batch --device cuda --dtype bfloat16 --compile "$@" --methods "$m" --limit 64 \
-              --max-new-tokens 8 --output "$0/warm-$m.json" >> "$0/warm.log" 2>&1 &
+          "${where[@]}" python3 -m eval batch --device cuda --dtype bfloat16 --compile "$@" "${sizes[@]}" --methods "$m" \
+              --limit 64 --max-new-tokens 8 --output "$0/warm-$m.json" >> "$0/warm.log" 2>&1 &
         done
-        wait
+        if [ -z "$WARM_GPU" ]; then wait; fi
         touch "$0/warmed"
       fi
       python3 -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume \
-          --output "$0/gpu_batch.json" ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; echo $? > "$0/rc"' \
+          --output "$0/gpu_batch.json" ${CODE:+--code "$CODE"} "$@" >> "$0/log" 2>&1; status=$?
+      wait; echo $status > "$0/rc"' \
       "$RES" "$@" > /dev/null 2>&1 &)
   sleep 2
 fi
