@@ -367,3 +367,15 @@ def test_batch_script_warms_on_another_gpu_beside_the_benchmark(tmp_path):
         f"all -m eval batch --device cuda --dtype bfloat16 --compile --hf-limit 16 --resume --output "
         f"{res}/gpu_batch.json --batch-sizes 1,8,32"]
     assert (res / "warmed").is_file()
+
+
+def test_head_script_keeps_to_the_gpus_it_is_given(tmp_path):
+    """CUDA_VISIBLE_DEVICES=2,3 GPUS=2 (the host's other GPUs busy with another job): arm i trains on the i-th
+    GPU of that list (2, then 3), and the self-distillation and the tau runs see the list itself."""
+    res, _ = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", GPUS="2", CUDA_VISIBLE_DEVICES="2,3",
+                             ARMS="a=--arch eagle2;b=--arch eagle3")
+    lines = (tmp_path / "calls.gpu").read_text().splitlines()
+    gpus = {c.split("--out ")[1].split()[0]: c.split()[0] for c in lines
+            if "-m training run" in c and "--stage distill" not in c}
+    assert gpus == {f"{res}/a": "2", f"{res}/b": "3"}
+    assert {c.split()[0] for c in lines if "-m eval tau" in c or "--stage distill" in c} == {"2,3"}

@@ -26,7 +26,8 @@
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
 #   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, the self-distillation is
 #               shared by all of them (torchrun) and arm i trains alone on GPU i mod GPUS (on one GPU the arms
-#               share it)
+#               share it). A set CUDA_VISIBLE_DEVICES names the GPUs to use (GPU i is its i-th entry), so that
+#               other jobs can have the host's other GPUs: CUDA_VISIBLE_DEVICES=2,3 GPUS=2
 #   NPROC       train each arm data-parallel over NPROC GPUs (torchrun; README "several GPUs"): arm i on GPUs
 #               i x NPROC ... (i + 1) x NPROC - 1 where the host has them (ARMS of 2 arms, NPROC=2 on 4 GPUs)
 #   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
@@ -73,11 +74,17 @@ if needs_start; then
       IFS=";" read -r -a arms <<< "$ARMS"
       workers=$(( WORKERS / ${#arms[@]} > 0 ? WORKERS / ${#arms[@]} : 1 ))
       pids=(); index=0
+      outer=${CUDA_VISIBLE_DEVICES-unset}; IFS=, read -r -a visible <<< "${CUDA_VISIBLE_DEVICES:-}"
+      devices() {  # devices FIRST COUNT: those GPUs, as entries of a set CUDA_VISIBLE_DEVICES where there is one
+        local ids=() g
+        for g in $(seq "$1" $(($1 + $2 - 1))); do ids+=("${visible[$g]:-$g}"); done
+        (IFS=,; echo "${ids[*]}")
+      }
       for arm in "${arms[@]}"; do
         name=${arm%%=*}; read -r -a opts <<< "${arm#*=}"
         # the GPUs of arm i: i mod GPUS alone, or with NPROC > 1 the i-th group of NPROC (when the host has them)
         first=$(( NPROC > 1 ? index * NPROC : (GPUS > 1 ? index % GPUS : 0) )); index=$((index + 1))
-        group=$(seq -s, "$first" $((first + NPROC - 1)))
+        group=$(devices "$first" "$NPROC")
         mkdir -p "$0/$name"
         [ -f "$0/$name/distilled.jsonl.gz" ] || cp "$0/distill/distilled.jsonl.gz" "$0/distill/distilled.json" "$0/$name/"
         [ -f "$0/$name/head/config.json" ] && continue
@@ -86,12 +93,12 @@ if needs_start; then
           if [ "$GPUS" -ge $((first + NPROC)) ]; then export CUDA_VISIBLE_DEVICES=$group; fi
         else  # with several GPUs, arm i trains alone on GPU i (mod the count)
           trainer=(python3 -m training)
-          if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$first; fi
+          if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$(devices "$first" 1); fi
         fi
         "${trainer[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/$name" --device cuda --resume \
             "${budget[@]}" --workers "$workers" "${opts[@]}" "$@" >> "$0/log_$name" 2>&1 &
         pids+=($!)
-        unset CUDA_VISIBLE_DEVICES
+        if [ "$outer" = unset ]; then unset CUDA_VISIBLE_DEVICES; else export CUDA_VISIBLE_DEVICES=$outer; fi
       done
       for pid in "${pids[@]}"; do wait "$pid" || fail $?; done
       for arm in "${arms[@]}"; do
