@@ -1481,7 +1481,7 @@ def _graph_signature(gm) -> tuple:
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 def test_a_compilation_does_not_depend_on_what_the_process_compiled_before(tiny_llama, monkeypatch):
     """A GPU Session's compiled prefill and round are the same graphs whatever the process compiled before
-    (other rules, AR, one-row Sessions, another tree): sizes are symbolic only where the code marks them
+    (AR, another rule form, another tree): sizes are symbolic only where the code marks them
     (batch rows, the prefill's padded length), never because an earlier compilation of the same function
     saw other sizes (dynamo's automatic dynamic shapes). So kernels compiled by one process (a warm-up, a
     cache file of ``FSD_EAGLE_COMPILE_CACHE``) serve any other process that runs the same plan."""
@@ -1500,7 +1500,7 @@ def test_a_compilation_does_not_depend_on_what_the_process_compiled_before(tiny_
 
     def compile_plans(plans) -> dict:
         """Run each (name, tree, rule, drafting, batch) plan as a GPU Session would (prefills of two prompt
-        lengths, a captured round) in one fresh process; the graphs each plan compiled."""
+        lengths, a captured round) from a fresh dynamo state, as a new process starts; the graphs each plan compiled."""
         torch._dynamo.reset()
         compiled_prefill.cache_clear()
         compiled_round.cache_clear()
@@ -1521,12 +1521,9 @@ def test_a_compilation_does_not_depend_on_what_the_process_compiled_before(tiny_
         return out
 
     try:
-        alone = compile_plans([("e2 b4", big, None, True, 4)])
-        alone.update(compile_plans([("e2 b4 small", small, None, True, 4)]))
-        alone.update(compile_plans([("fsd b1", big, sampled, True, 1)]))
-        mixed = compile_plans([("ar b1", big, None, False, 1), ("fsd b1", big, sampled, True, 1),
-                               ("ar b4", big, None, False, 4), ("sampled b4", big, sampled, True, 4),
-                               ("e2 b4", big, None, True, 4), ("e2 b4 small", small, None, True, 4)])
+        alone = compile_plans([("sampled b4 small", small, sampled, True, 4)])
+        mixed = compile_plans([("ar b4", big, None, False, 4), ("e2 b4", big, None, True, 4),
+                               ("sampled b4 small", small, sampled, True, 4)])
     finally:
         compiled_prefill.cache_clear()
         compiled_round.cache_clear()
