@@ -1500,7 +1500,7 @@ def test_a_compilation_does_not_depend_on_what_the_process_compiled_before(tiny_
 
     def compile_plans(plans) -> dict:
         """Run each (name, tree, rule, drafting, batch) plan as a GPU Session would (prefills of two prompt
-        lengths, a captured round) from a fresh dynamo state, as a new process starts; the graphs each plan compiled."""
+        lengths, a captured round), from a fresh dynamo state as a new process starts; the graphs of each."""
         torch._dynamo.reset()
         compiled_prefill.cache_clear()
         compiled_round.cache_clear()
