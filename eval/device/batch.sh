@@ -26,7 +26,7 @@
 # (a second GPU) the warm-ups run on GPU N at the same time as the benchmark, at nice 10 and pinned to the
 # cores of WARM_CPUS if given (e.g. 16-31; pin the benchmark with taskset around this script), and skip
 # batch size 1, which the benchmark compiles first itself: the batched configurations are ready by the time it
-# gets there (on two H200s the whole table then took 23 minutes instead of not fitting in 30).
+# gets there (on two H200s the whole table, compilation included, then took 23 minutes).
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
