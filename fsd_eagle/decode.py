@@ -254,8 +254,9 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
     kernels compiled by one process (a warm-up, a ``FSD_EAGLE_COMPILE_CACHE`` file) would not serve another
     that runs the same plan; a size that no mark covers compiles again, static. Duck sizing (one symbol for
     dimensions that happen to be equal, such as a batch of 8 and a top-k of 8) is turned off while tracing:
-    it would tie the batch to the tree and compile again for the next size. With ``freezing()``, compiled with inductor's freezing. Kernels of ``FSD_EAGLE_COMPILE_CACHE``
-    (fsd_eagle.compile_cache) are loaded first. ``batched``: a batched round (implies ``dynamic``); inductor's
+    it would tie the batch to the tree and compile again for the next size. With ``freezing()``, compiled
+    with inductor's freezing. Kernels of ``FSD_EAGLE_COMPILE_CACHE`` (fsd_eagle.compile_cache) are loaded
+    first. ``batched``: a batched round (implies ``dynamic``); inductor's
     settings while compiling: ``inductor_settings``."""
     dynamic = dynamic or batched
     compile_cache.restore()

@@ -379,3 +379,15 @@ def test_head_script_keeps_to_the_gpus_it_is_given(tmp_path):
             if "-m training run" in c and "--stage distill" not in c}
     assert gpus == {f"{res}/a": "2", f"{res}/b": "3"}
     assert {c.split()[0] for c in lines if "-m eval tau" in c or "--stage distill" in c} == {"2,3"}
+
+
+def test_batch_script_warms_the_default_batch_sizes_less_one(tmp_path):
+    """Without --batch-sizes, WARM_GPU warm-ups take eval/batch.py's default batch sizes less 1 (the script
+    keeps its own copy of the default: this is what keeps the two equal)."""
+    from eval.batch import DEFAULT_BATCH_SIZES
+
+    res, _ = run_host_script(tmp_path, "batch.sh", [], "benchmark ended, status 0", KERNELS="0", WARM="ar",
+                             WARM_GPU="1")
+    warm = [c for c in (tmp_path / "calls").read_text().splitlines() if "warm-ar" in c]
+    expected = ",".join(s for s in DEFAULT_BATCH_SIZES.split(",") if s != "1")
+    assert len(warm) == 1 and f"--batch-sizes {expected} --methods ar" in warm[0]

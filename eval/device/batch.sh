@@ -33,7 +33,7 @@ WAIT=${WAIT:-540}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
 # The batch sizes of the warm-ups that run beside the benchmark: the benchmark's (its --batch-sizes, or the
-# default), less 1.
+# default: eval/batch.py's DEFAULT_BATCH_SIZES, which a test keeps equal to this one), less 1.
 sizes=1,4,8,16,32,64; prev=""
 for a in "$@"; do
   if [ "$prev" = --batch-sizes ]; then sizes=$a; fi
