@@ -197,39 +197,39 @@ def _accept_sampled_children(tree, logits, fuzzy_ok, form, values, rng):
     bonus is a sample of the last p (at a node without children, of p_c itself). Pure mode takes the first
     child iff it is fuzzy-ok, and otherwise ends with a sample of p_c. Without the fuzzy rule the output is
     distributed as the target's samples, whatever r is. Random numbers: one uniform per (level, child slot),
-    one race for the bonus."""
+    one race for the bonus.
+
+    No distribution is rewritten per child: after any number of rejections at c, the unnormalised p is
+    max(p_c - a * r, 0) with one coefficient a per row (``_residual_coefficient``), except at the tokens
+    already rejected, whose values stay as they were when r lost them. So a child costs one sum over the
+    vocabulary (the new mass) and a few ``[B, slots]`` operations, and the ended rows' residual is written
+    once per level."""
     (b, n), dev, slots = tree.tokens.shape, logits.device, tree.max_children
     probs = process_logits(logits, form, values).softmax(-1)  # [B, n, V]
     pure = form.mode == "pure"
     not_root = torch.arange(n, device=dev) > 0
+    slot_ids = torch.arange(slots, device=dev)
     uniforms = rng.uniform((tree.max_depth, slots), DRAW_ACCEPT)  # [B, depth, slots]
     cur, alive, exact_alive, n_acc, exact_len = _walk_start(b, dev)
     last_p = pick(probs, cur)  # the bonus distribution of rows whose walk has ended
     temp = values.temperature.unsqueeze(1)
     for level in range(tree.max_depth):
         p_c = pick(probs, cur)  # [B, V]
-        p = p_c
         row = pick(tree.q_row, cur).clamp(min=0)
         r_d = (pick(tree.r_logits, row).float() / temp).softmax(-1)  # [B, V_d]
-        r = r_d if tree.r_vocab is None else torch.zeros_like(p).scatter(1, tree.r_vocab.expand(b, -1), r_d)
+        r = r_d if tree.r_vocab is None else torch.zeros_like(p_c).scatter(1, tree.r_vocab.expand(b, -1), r_d)
         children = (tree.parents == cur.unsqueeze(1)) & not_root  # [B, n], in the order drawn
         rank = torch.cumsum(children.long(), 1) - 1
         first = torch.argmax((children & (rank == 0)).int(), 1)
-        accepted = torch.zeros(b, dtype=torch.bool, device=dev)
-        nxt = cur.clone()
-        for slot in range(slots):
-            is_slot = children & (rank == slot)
-            exists = is_slot.any(1) & ~accepted
-            node = torch.argmax(is_slot.int(), 1)
-            x = pick(tree.tokens, node)
-            px, rx = p.gather(1, x[:, None]).squeeze(1), r.gather(1, x[:, None]).squeeze(1)
-            take = exists & (uniforms[:, level, slot] * rx < px)
-            nxt = torch.where(take, node, nxt)
-            accepted = accepted | take
-            reject = (exists & ~take).unsqueeze(1)
-            p = torch.where(reject, _residual(p, r), p)
-            r_left = r.scatter(1, x[:, None], 0.0)
-            r = torch.where(reject, r_left / r_left.sum(1, keepdim=True).clamp(min=1e-30), r)
+        in_slot = children.unsqueeze(1) & (rank.unsqueeze(1) == slot_ids.view(1, slots, 1))  # [B, slots, n]
+        exists, nodes = in_slot.any(2), torch.argmax(in_slot.int(), 2)  # [B, slots]
+        x = tree.tokens.gather(1, nodes)  # the children's tokens, distinct (drawn without replacement)
+        px, rx = p_c.gather(1, x), r.gather(1, x)  # [B, slots]
+        coef, mass, r_mass, kept = _rejection_states(p_c, r, px, rx, exists)  # before each slot, and after all
+        p_x = (px - coef[:, :slots] * rx).clamp(min=0)  # each child's p (unnormalised) when its turn comes
+        take = exists & (uniforms[:, level] * rx * mass[:, :slots] < p_x * r_mass[:, :slots])  # u < p(x) / r(x)
+        accepted = take.any(1)
+        nxt = torch.where(accepted, pick(nodes, torch.argmax(take.int(), 1)), cur)  # the first child taken
         exact_alive = exact_alive & accepted & alive  # what the exact rule alone accepts (statistics)
         exact_len = exact_len + exact_alive
         fuzzy_go = children.any(1) & pick(fuzzy_ok, first)
@@ -237,6 +237,7 @@ def _accept_sampled_children(tree, logits, fuzzy_ok, form, values, rng):
             go, nxt, p = fuzzy_go, first, p_c
         else:
             go, nxt = accepted | fuzzy_go, torch.where(accepted, nxt, first)
+            p = _residual_after_all(p_c, r, x, px, rx, exists, coef, mass, kept)
         ended = alive & ~go
         last_p = torch.where(ended.unsqueeze(1), p, last_p)
         cur = torch.where(alive & go, nxt, cur)
@@ -256,11 +257,47 @@ def _walk_start(b: int, dev: torch.device):
     return cur, alive, alive.clone(), n_acc, n_acc.clone()
 
 
-def _residual(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """What remains of p ``[B, V]`` after rejecting a draw from r: max(p - r, 0), renormalised (it has mass:
-    p = r would have accepted)."""
-    residual = (p - r).clamp(min=0)
-    return residual / residual.sum(1, keepdim=True).clamp(min=1e-30)
+def _rejection_states(p: torch.Tensor, r: torch.Tensor, px: torch.Tensor, rx: torch.Tensor, exists: torch.Tensor):
+    """The state of recursive rejection at a node before each of its child slots, given that every earlier
+    child was rejected (the only way a slot's turn comes), and after all of them (column ``slots``).
+
+    p ``[B, V]``: the target's distribution at the node; r ``[B, V]``: the draft's, the children's
+    proposal; px, rx ``[B, slots]``: both at the children's tokens in the order drawn; exists: which slots
+    hold a child (a prefix). Returns coef, mass, r_mass ``[B, slots + 1]`` and kept ``[B, slots]``: before
+    slot j, p (unnormalised) is max(p - coef_j * r, 0) of sum mass_j except at the tokens of slots < j, which
+    kept their values kept_i, and r has r_mass_j left (r without those tokens). Each rejection is
+    ``_residual_coefficient``: no distribution is rewritten, one sum over the vocabulary per slot."""
+    b, slots = px.shape
+    coef = [torch.zeros(b, device=p.device)]
+    mass, r_mass, kept = [torch.ones_like(coef[0])], [torch.ones_like(coef[0])], []
+    for slot in range(slots):
+        there = exists[:, slot]
+        coef.append(torch.where(there, _residual_coefficient(coef[-1], mass[-1], r_mass[-1]), coef[-1]))
+        r_mass.append(torch.where(there, (r_mass[-1] - rx[:, slot]).clamp(min=1e-30), r_mass[-1]))
+        at = (px[:, : slot + 1] - coef[-1].unsqueeze(1) * rx[:, : slot + 1]).clamp(min=0)  # [B, slot + 1]
+        kept.append(at[:, slot])  # the rejected token keeps its value from here on
+        # every token at the new coefficient, less what that gives the earlier rejected tokens over their kept values
+        earlier = (at[:, :slot] - torch.stack(kept[:slot], 1)).sum(1) if slot else 0.0
+        total = (p - coef[-1].unsqueeze(1) * r).clamp(min=0).sum(1) - earlier
+        mass.append(torch.where(there, total.clamp(min=1e-30), mass[-1]))
+    return torch.stack(coef, 1), torch.stack(mass, 1), torch.stack(r_mass, 1), torch.stack(kept, 1)
+
+
+def _residual_after_all(p, r, x, px, rx, exists, coef, mass, kept) -> torch.Tensor:
+    """p ``[B, V]`` once every child (``exists``) is rejected, from ``_rejection_states``' last column: p less
+    coef * r, the rejected tokens x at their kept values, renormalised."""
+    last = coef[:, -1:]
+    at_last = (px - last * rx).clamp(min=0)
+    residual = (p - last * r).clamp(min=0).scatter_add(1, x, torch.where(exists, kept - at_last, 0.0))
+    return residual / mass[:, -1:]
+
+
+def _residual_coefficient(coef: torch.Tensor, mass: torch.Tensor, r_mass: torch.Tensor) -> torch.Tensor:
+    """One rejection of a draw from r, per row ``[B]``: with p (unnormalised) = max(p_c - coef * r, 0) of sum
+    ``mass`` and r (unnormalised) of sum ``r_mass`` where not yet rejected, the residual max(p / mass - r /
+    r_mass, 0), times mass, is max(p_c - coef' * r, 0) with coef' = coef + mass / r_mass (r >= 0: subtracting
+    twice is subtracting the sum); the tokens r has lost are left out of both."""
+    return coef + mass / r_mass
 
 
 def _remove(p: torch.Tensor, tokens: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:

@@ -237,7 +237,7 @@ SAMPLED_TREE = TreeConfig(total_tokens=6, depth=2, top_k=3)  # two levels: the w
 
 def _keep_residual(monkeypatch):
     """Sampled children: after a rejection keep p instead of max(p - r, 0) renormalised."""
-    monkeypatch.setattr(verify_module, "_residual", lambda p, r: p)
+    monkeypatch.setattr(verify_module, "_residual_coefficient", lambda coef, mass, r_mass: coef)
 
 
 BROKEN_SAMPLED = {"double_acceptance": BROKEN["double_acceptance"], "keep_residual": _keep_residual}
@@ -278,6 +278,43 @@ def test_the_sampling_test_fails_broken_sampled_children(monkeypatch, mode, brok
     counts, _ = sample_pairs_with(session, prompt, rule, n, seed=5)
     torch._dynamo.reset()
     assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3
+
+
+def _rewritten_each_rejection(p, r, x, slots_there):
+    """The definition, one row: before each child, p(x) and r(x) of the current distributions; after a
+    rejection p = max(p - r, 0) renormalised and r without x, renormalised. Returns them and the last p."""
+    p, r, seen = p.clone(), r.clone(), []
+    for token in x[:slots_there].tolist():
+        seen.append((float(p[token]), float(r[token])))
+        p = (p - r).clamp(min=0)
+        p = p / p.sum()
+        r[token] = 0.0
+        r = r / r.sum()
+    return seen, p
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rejections_follow_one_coefficient(seed):
+    """Recursive rejection without replacement keeps p as max(p_0 - coef * r_0, 0) off the rejected tokens:
+    the distributions it gives before every child and after the last equal rewriting p and r after each
+    rejection (which is what the definition says); the draft vocabulary leaves r zero on most tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, slots = 40, 5
+    p = (torch.randn(2, vocab, generator=gen) * 2).softmax(-1)
+    r = (torch.randn(2, vocab, generator=gen) * 2).softmax(-1) * (torch.rand(2, vocab, generator=gen) < 0.6)
+    r = r / r.sum(1, keepdim=True)
+    x = torch.stack([torch.multinomial(r[i], slots, generator=gen) for i in range(2)])
+    there = [5, 3]
+    exists = torch.arange(slots) < torch.tensor(there).unsqueeze(1)
+    px, rx = p.gather(1, x), r.gather(1, x)
+    coef, mass, r_mass, kept = verify_module._rejection_states(p, r, px, rx, exists)
+    last = verify_module._residual_after_all(p, r, x, px, rx, exists, coef, mass, kept)
+    for i in range(2):
+        seen, p_last = _rewritten_each_rejection(p[i], r[i], x[i], there[i])
+        for j, (p_j, r_j) in enumerate(seen):
+            p_x = float((px[i, j] - coef[i, j] * rx[i, j]).clamp(min=0) / mass[i, j])
+            assert p_x == pytest.approx(p_j, abs=1e-6) and float(rx[i, j] / r_mass[i, j]) == pytest.approx(r_j, abs=1e-6)
+        assert torch.allclose(last[i], p_last, atol=1e-6)
 
 
 def test_sampled_children_settings():
