@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -350,6 +351,24 @@ def load_prompts(source: str, limit: int) -> list[str]:
     return [q.turns[0] for q in load_mt_bench(limit=limit)]
 
 
+def warm_first(a, backends: list[str], temperatures: list[float], children: list[str],
+               fsd_rows: list[tuple[str, float]]) -> None:
+    """``--warm``: compile the run's compiled configurations side by side first (eval/warm.py); their rows
+    and logs go beside ``--out``, under ``<out stem>.warm/``."""
+    from eval.warm import warm, warmups
+
+    if "compiled" not in backends or a.tp > 1:
+        print("warm-up: nothing to compile here (no compiled backend, or a tensor-parallel run)", flush=True)
+        return
+    jobs = warmups(a, a.methods.split(","), fsd_rows, temperatures, children)
+    out = Path(a.out).with_suffix(".warm") if a.out != os.devnull else Path(tempfile.mkdtemp(prefix="fsd-warm-"))
+    started = time.perf_counter()
+    status = warm(jobs, a.warm or 4, out)
+    failed = sorted(name for name, rc in status.items() if rc)
+    print(f"warm-up: {len(jobs) - len(failed)} of {len(jobs)} configurations compiled in "
+          f"{time.perf_counter() - started:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import transformers
@@ -407,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the method rows: no stage breakdown, peak memory or 8B-shape round cost")
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_speed.json"))
     p.add_argument("--code", help="commit to record (default: git rev-parse HEAD; for a copy whose .git is stale)")
+    p.add_argument("--warm", type=int, default=0, metavar="N",
+                   help="first compile each compiled row's configuration in a short process of its own, N at a "
+                        "time (eval/warm.py), so that this run finds them in the machine's inductor cache")
+    p.add_argument("--warm-only", action="store_true", help="only the warm-up processes (--warm, default 4)")
     a = p.parse_args(argv)
     temperatures = parse_floats(a.temperatures, "--temperatures")
     children_kinds = [c.strip() for c in a.children.split(",") if c.strip()]
@@ -418,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[FREEZING_ENV] = "1"
     fsd_rows = parse_fsd(a.fsd or f"{a.divergence}:{a.threshold}")
+    backends = (a.backends.split(",") if a.backends else
+                (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else []))
+    if a.warm > 0 or a.warm_only:
+        warm_first(a, backends, temperatures, children_kinds, fsd_rows)
+        if a.warm_only:
+            return 0
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, draft_model=a.draft_model, device=a.device,
                                     dtype=a.dtype, threads=a.threads, tp_size=a.tp)
     from fsd_eagle.decode import freezing
@@ -444,8 +473,6 @@ def main(argv: list[str] | None = None) -> int:
         row["name"] = _label(row)
         outputs[row["name"]] = hf.pop("outputs", None)  # agreement: over these prompts only
         rows.append(row)
-    backends = (a.backends.split(",") if a.backends else
-                (["eager"] if a.eager else []) + ["graph"] + (["compiled"] if a.compile else []))
     compiled = "compiled" in backends
     ours = ([("ar", None, None, dict(autoregressive=True))] if "ar" in methods else []) + \
         ([("eagle2", None, 0.0, {})] if "eagle2" in methods else []) + \

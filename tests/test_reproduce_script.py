@@ -95,7 +95,7 @@ case "$*" in
   "-m training run"*"--stage distill"*) echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json" ;;
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
   "-m eval tau"*) mkdir -p "$out"; echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
-  "-m eval speed"*) echo '{"rows": []}' > "$out" ;;
+  "-m eval speed"*) mkdir -p "$(dirname "$out")"; echo '{"rows": []}' > "$out" ;;
   "-m eval sweep"*) mkdir -p "$out/raw"; sleep 1 ;;
   *) echo "default target at /nowhere" ;;
 esac
@@ -159,6 +159,16 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert (res / "distill" / ".sent").is_file()  # the distilled answers came back with the first command
     listing = subprocess.run(["tar", "-tf", str(out / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
+
+
+def test_head_script_warms_the_speed_run_beside_the_training(tmp_path):
+    """WARM=3 with SPEED: the speed run's configurations compile at the start (eval speed --warm-only, the
+    target's shipped head), then the speed run measures the trained head; a second command starts neither."""
+    res, _ = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", SPEED="--device cuda --backends compiled",
+                             WARM="3")
+    speed = [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m eval speed")]
+    assert speed == [f"-m eval speed --device cuda --backends compiled --warm 3 --warm-only --out {res}/warm/speed.json",
+                     f"-m eval speed --device cuda --backends compiled --head {res}/head/head --out {res}/speed.json"]
 
 
 def test_head_script_trains_arms_data_parallel_on_their_own_gpus(tmp_path):

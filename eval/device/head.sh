@@ -33,6 +33,9 @@
 #   SPEED       options for `python -m eval speed`, run last on the first arm's head (--head and --out are
 #               added; rows in speed.json, copied to $OUT), e.g. SPEED="--device cuda --dtype bfloat16 --limit 80
 #               --repeats 1 --methods ar,eagle2 --temperatures 0,0.7 --backends compiled --rows-only"
+#   WARM        with SPEED: compile the speed run's configurations at the start, WARM processes at a time, beside
+#               the training (`eval speed --warm WARM --warm-only`, with the target's shipped head: the same
+#               shapes as a head that continues it), so that the speed run at the end finds them compiled
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -60,6 +63,7 @@ if needs_start; then
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
       TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
+      WARM="${WARM:-0}" \
       GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" NPROC="${NPROC:-1}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
@@ -67,6 +71,12 @@ if needs_start; then
       if [ "$GEMMA" = 1 ]; then target=(--target "$(python3 -m fsd_eagle.gemma3)") || fail $?; fi
       budget=()
       [ "$TIME_BUDGET" = 0 ] || budget=(--time-budget "$TIME_BUDGET")
+      if [ -n "$SPEED" ] && [ "$WARM" -gt 0 ] && [ ! -f "$0/speed.json" ]; then  # compiled beside the training
+        read -r -a speed <<< "$SPEED"
+        python3 -m eval speed "${speed[@]}" "${target[@]}" --warm "$WARM" --warm-only --out "$0/warm/speed.json" \
+            > "$0/log_warm" 2>&1 &
+        warm_pid=$!
+      fi
       distiller=(python3 -m training)  # with several GPUs the self-distillation is shared by all of them
       if [ "$GPUS" -gt 1 ]; then distiller=(torchrun --standalone --nproc-per-node "$GPUS" -m training); fi
       "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/distill" --device cuda \
@@ -112,6 +122,7 @@ if needs_start; then
         fi
       done
       if [ -n "$SPEED" ] && [ ! -f "$0/speed.json" ]; then
+        [ -z "${warm_pid:-}" ] || wait "$warm_pid" || true  # the warm-ups end before the measuring starts
         read -r -a speed <<< "$SPEED"
         python3 -m eval speed "${speed[@]}" "${target[@]}" --head "$0/${arms[0]%%=*}/head" --out "$0/speed.json" \
             >> "$0/log" 2>&1 || fail $?
