@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N eval/device/tp_check.py")
     p.add_argument("--out", default=str(ROOT / "eval" / "results" / "gpu_tp.json"))
     p.add_argument("--work", default="/tmp/fsd-tp", help="folder for the random-weight model folders")
-    p.add_argument("--prompts", type=int, default=8, help="MT-bench first turns of the tokens/s runs")
+    p.add_argument("--prompts", type=int,
+                   help="MT-bench first turns of the tokens/s runs (default: 8, or --batch when larger, so that "
+                        "the batched tokens/s decode full batches)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=30, help="rounds of the ms-per-round decode")
     p.add_argument("--compile", action="store_true", help="also compile the speed runs' rounds (slow first calls)")
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (cpu: a gloo smoke run on a machine without CUDA)")
     p.add_argument("--code", help="the commit of the code run, recorded in the result (default: git's HEAD)")
     a = p.parse_args(argv)
+    a.prompts = a.prompts or max(8, a.batch)
     world = parallel.launched_world()
     if world is None or world < 2:
         print("error: launch with torchrun --nproc-per-node N (N >= 2)", file=sys.stderr)
