@@ -351,6 +351,12 @@ def load_prompts(source: str, limit: int) -> list[str]:
     return [q.turns[0] for q in load_mt_bench(limit=limit)]
 
 
+def sampling_rows(method: str, temperatures: list[float], children: list[str]) -> list[tuple[float, str]]:
+    """The (temperature, children) of a method's rows, in order: each temperature, and when a drafting method
+    samples, each kind of children (plain decoding and greedy rows have none to choose)."""
+    return [(t, c) for t in temperatures for c in (children if t and method != "ar" else ["top"])]
+
+
 def warm_first(a, backends: list[str], temperatures: list[float], children: list[str],
                fsd_rows: list[tuple[str, float]]) -> None:
     """``--warm``: compile the run's compiled configurations side by side first (eval/warm.py); their rows
@@ -486,8 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             if run_tree is not None:
                 tree = gen.set_tree(run_tree.total_tokens, run_tree.depth, run_tree.top_k, run_tree.draft_vocab)
             for method, div, threshold, kwargs in methods_here:
-                for temperature, children in ((t, c) for t in temperatures
-                                              for c in (children_kinds if t and method != "ar" else ["top"])):
+                for temperature, children in sampling_rows(method, temperatures, children_kinds):
                     sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
                     seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
                     row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs,

@@ -37,7 +37,10 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
             children: list[str]) -> list[Warmup]:
     """One short compiled `eval speed` run per row configuration of the parsed options ``a``: each method
     (hf needs no compilation), each FSD divergence:threshold, each temperature and, when sampling, each kind of
-    children (the same rows the full run measures, in the same order)."""
+    children (the same rows the full run measures, in the same order). FSD rows of one divergence share their
+    compiled code (the threshold is a number the round reads), so its first threshold stands for all."""
+    from eval.speed import sampling_rows
+
     common: list[str] = []
     for key in SHAPE_OPTIONS:
         value = getattr(a, key, None)
@@ -48,13 +51,15 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
     common += ["--backends", "compiled", "--limit", "2", "--max-new-tokens", "16", "--repeats", "1", "--rows-only"]
     out = []
     for method in (m for m in methods if m in ("ar", "eagle2", "fsd")):
-        rules = [(f"{d}{t:g}", ["--fsd", f"{d}:{t:g}"]) for d, t in fsd_rows] if method == "fsd" else [("", [])]
+        first: dict[str, float] = {}  # each divergence's first threshold
+        for d, t in fsd_rows:
+            first.setdefault(d, t)
+        rules = [(f"{d}{t:g}", ["--fsd", f"{d}:{t:g}"]) for d, t in first.items()] if method == "fsd" else [("", [])]
         for rule_name, rule_options in rules:
-            for t in temperatures:
-                for kind in (children if t and method != "ar" else ["top"]):
-                    name = f"{method}{rule_name}_t{t:g}" + ("_sampled" if kind == "sampled" else "")
-                    out.append(Warmup(name, tuple(common + ["--methods", method, *rule_options, "--temperatures",
-                                                            f"{t:g}", "--children", kind])))
+            for t, kind in sampling_rows(method, temperatures, children):
+                name = f"{method}{rule_name}_t{t:g}" + ("_sampled" if kind == "sampled" else "")
+                out.append(Warmup(name, tuple(common + ["--methods", method, *rule_options, "--temperatures",
+                                                        f"{t:g}", "--children", kind])))
     return out
 
 

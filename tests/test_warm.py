@@ -37,6 +37,8 @@ def test_one_warmup_per_row_configuration():
         assert part in text, part
     assert "--out" not in sampled and "--depth" not in sampled  # unset options keep the preset
     assert len({j.name for j in jobs}) == len(jobs)
+    several = warmups(_options(), ["fsd"], [("kl", 1.0), ("reverse_kl", 1.0), ("kl", 2.0)], [0.0], ["top"])
+    assert [j.name for j in several] == ["fsdkl1_t0", "fsdreverse_kl1_t0"]  # kl:2 compiles what kl:1 does
 
 
 def test_side_by_side_reports_each_status(tmp_path):
