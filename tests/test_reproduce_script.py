@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh", "eval/device/head.sh",
            "eval/device/assemble.sh", "eval/device/batch.sh", "eval/device/job.sh", "eval/device/tp.sh",
-           "eval/device/bring_back.sh")
+           "eval/device/bring_back.sh", "eval/device/split_bundle.sh")
 
 
 def test_scripts_parse():
@@ -264,6 +264,47 @@ def test_assemble_unpacks_carried_tars_and_checks_the_bundle(tmp_path):
     command(raw[:half], "part_00", "0" * 64)
     r = command(raw[half:], "part_01", "0" * 64)
     assert r.returncode != 0 and not (store / ".unpacked").exists()
+
+
+def test_split_bundle_fits_each_piece_beside_the_working_tree(tmp_path):
+    """eval/device/split_bundle.sh: pieces are at most LIMIT minus the travelling tree (tracked and untracked,
+    not ignored files) minus MARGIN, land in ignored folders, rebuild the bundle, and come with PARTS and SHA;
+    a tree too large for any piece, pieces already there and folders that git does not ignore are refused."""
+    import hashlib
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    script = ROOT / "eval" / "device" / "split_bundle.sh"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/.carry*/\n/big.bin\n")
+    (repo / "tracked.txt").write_bytes(b"t" * 300_000)
+    subprocess.run(["git", "-C", str(repo), "add", "tracked.txt", ".gitignore"], check=True)
+    (repo / "untracked.txt").write_bytes(b"u" * 200_000)  # travels too
+    (repo / "big.bin").write_bytes(b"i" * 5_000_000)       # ignored: does not travel
+    tree = 300_000 + 200_000 + len((repo / ".gitignore").read_bytes())
+    bundle = tmp_path / "bundle.tar"
+    bundle.write_bytes(os.urandom(5_500_000))
+
+    def split(limit: int, **env):
+        return subprocess.run(["bash", str(script), str(bundle)], cwd=repo, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "LIMIT": str(limit), "MARGIN": "100000", **env})
+
+    limit = 3_000_000
+    r = split(limit)
+    assert r.returncode == 0, r.stderr
+    pieces = sorted(repo.glob(".carry*/part_*"), key=lambda p: int(p.parent.name[len(".carry"):]))
+    size = limit - tree - 100_000
+    assert [p.parent.name for p in pieces] == [f".carry{i}" for i in range(len(pieces))]
+    assert len(pieces) == -(-5_500_000 // size) and all(p.stat().st_size <= size for p in pieces)
+    assert b"".join(p.read_bytes() for p in pieces) == bundle.read_bytes()
+    sha = hashlib.sha256(bundle.read_bytes()).hexdigest()
+    assert f"PARTS={len(pieces)} SHA={sha}" in r.stdout
+    again = split(limit)  # the pieces of a bundle are never mixed with another's
+    assert again.returncode != 0 and len(again.stderr.strip().splitlines()) == 1
+    small = split(tree + 200_000, PREFIX=".carryb")
+    assert small.returncode != 0 and "no room" in small.stderr and not list(repo.glob(".carryb*"))
+    loose = split(limit, PREFIX="pieces")
+    assert loose.returncode != 0 and "not git-ignored" in loose.stderr and not list(repo.glob("pieces*/part_*"))
 
 
 def test_bring_back_sends_each_piece_once_and_the_pieces_rebuild_the_folder(tmp_path):
