@@ -28,7 +28,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
     p.add_argument("--draft-model", help="a small causal LM folder sharing the target's tokenizer, drafting "
-                                         "instead of a head (classic SD; e.g. with --tree-top-k 1 --depth 5)")
+                                         "instead of a head (classic SD; a chain suits it: tree top-k 1, e.g. depth 5)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--workers", type=int, default=1,
@@ -148,8 +148,10 @@ def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
         tree = TreeConfig.parse(a.tree) if a.tree else TreeConfig()
     except ConfigError as e:
         raise ConfigError(f"--tree: {e}") from None
+    if a.head is not None and a.draft_model is not None:
+        raise ConfigError("use either --head or --draft-model, not both")
     result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers,
-                         tree=tree.to_dict(), temperature=a.temperature, seed=a.seed)
+                         tree=tree.to_dict(), temperature=a.temperature, seed=a.seed, draft_model=a.draft_model)
     text = json.dumps(result)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

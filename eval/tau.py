@@ -18,8 +18,9 @@ def _worker(args) -> list[dict]:
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.config import TreeConfig
 
-    gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], device=opts["device"],
-                                    dtype=opts["dtype"], tree=TreeConfig(**opts["tree"]), threads=1)
+    gen = SpeculativeGenerator.load(target=opts["target"], head=opts["head"], draft_model=opts["draft_model"],
+                                    device=opts["device"], dtype=opts["dtype"], tree=TreeConfig(**opts["tree"]),
+                                    threads=1)
     rows = []
     temperature = opts["temperature"]
     for index, qid, category, prompt in jobs:
@@ -31,11 +32,13 @@ def _worker(args) -> list[dict]:
 
 
 def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_new_tokens=128, workers=1,
-                tree=None, temperature: float = 0.0, seed: int = 0) -> dict:
+                tree=None, temperature: float = 0.0, seed: int = 0, draft_model=None) -> dict:
     """tau = total new tokens / total target forwards, overall and per category; greedy, or sampled at
-    ``temperature`` (question i with seed ``seed + i``, whichever worker decodes it)."""
+    ``temperature`` (question i with seed ``seed + i``, whichever worker decodes it). The drafter is ``head``
+    (default: the shipped head of the default target) or a ``draft_model`` folder (classic SD), named in the
+    result."""
     jobs = [(i, q.question_id, q.category, q.turns[0]) for i, q in enumerate(questions)]
-    opts = {"target": target, "head": head, "device": device, "dtype": dtype, "max_new_tokens": max_new_tokens,
+    opts = {"target": target, "head": head, "draft_model": draft_model, "device": device, "dtype": dtype, "max_new_tokens": max_new_tokens,
             "tree": tree or {}, "temperature": temperature, "seed": seed}
     chunks = [(i, jobs[i::workers], opts) for i in range(workers)]
     start = time.perf_counter()
@@ -50,7 +53,8 @@ def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_
             per[key][0] += r["new_tokens"]
             per[key][1] += r["target_forwards"]
             per[key][2] += 1
-    return {"tau": {k: round(v[0] / v[1], 3) for k, v in per.items()}, "tree": opts["tree"],
+    drafter = {"draft_model": str(draft_model)} if draft_model is not None else {"head": str(head) if head else "default"}
+    return {"tau": {k: round(v[0] / v[1], 3) for k, v in per.items()}, "tree": opts["tree"], **drafter,
             "questions": {k: v[2] for k, v in per.items()}, "temperature": temperature,
             **({"seed": seed} if temperature else {}), "seconds": round(time.perf_counter() - start, 1)}
 

@@ -309,6 +309,24 @@ def test_tau_command(folders, tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("error: --tree: expected a tree")
 
 
+def test_tau_command_drafts_with_a_draft_model(folders, capsys):
+    """--draft-model drafts instead of the head (it was once accepted and ignored): the target drafting for
+    itself greedily has every drafted token of the chain accepted (40 tokens in 14 forwards, the prefill
+    counted), where the untrained head of the fixture accepts little; the result names its drafter; both
+    drafters at once is a one-line error."""
+    base = ["tau", "--target", str(folders / "target"), "--device", "cpu", "--dtype", "float32", "--limit", "2",
+            "--max-new-tokens", "40", "--tree", "3/3/1"]
+    assert eval_main(base + ["--head", str(folders / "head")]) == 0
+    with_head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert eval_main(base + ["--draft-model", str(folders / "target")]) == 0
+    with_self = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert with_head["head"] == str(folders / "head") and "draft_model" not in with_head
+    assert with_self["draft_model"] == str(folders / "target") and "head" not in with_self
+    assert with_self["tau"]["all"] == round(40 / 14, 3) and with_head["tau"]["all"] < 2.0
+    assert eval_main(base + ["--head", str(folders / "head"), "--draft-model", str(folders / "target")]) == 2
+    assert capsys.readouterr().err.strip() == "error: use either --head or --draft-model, not both"
+
+
 def test_sampled_tau_is_reproducible_per_question(folders, tmp_path, capsys):
     """--temperature: question i is sampled with seed --seed + i, whichever worker decodes it, so a rerun
     (or another split over workers) measures the same tau; a negative temperature is a one-line error."""
