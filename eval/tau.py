@@ -38,8 +38,8 @@ def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_
     (default: the shipped head of the default target) or a ``draft_model`` folder (classic SD), named in the
     result."""
     jobs = [(i, q.question_id, q.category, q.turns[0]) for i, q in enumerate(questions)]
-    opts = {"target": target, "head": head, "draft_model": draft_model, "device": device, "dtype": dtype, "max_new_tokens": max_new_tokens,
-            "tree": tree or {}, "temperature": temperature, "seed": seed}
+    opts = {"target": target, "head": head, "draft_model": draft_model, "device": device, "dtype": dtype,
+            "max_new_tokens": max_new_tokens, "tree": tree or {}, "temperature": temperature, "seed": seed}
     chunks = [(i, jobs[i::workers], opts) for i in range(workers)]
     start = time.perf_counter()
     if workers == 1:
@@ -53,7 +53,8 @@ def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_
             per[key][0] += r["new_tokens"]
             per[key][1] += r["target_forwards"]
             per[key][2] += 1
-    drafter = {"draft_model": str(draft_model)} if draft_model is not None else {"head": str(head) if head else "default"}
+    drafter = ({"draft_model": str(draft_model)} if draft_model is not None
+               else {"head": str(head) if head is not None else "default"})
     return {"tau": {k: round(v[0] / v[1], 3) for k, v in per.items()}, "tree": opts["tree"], **drafter,
             "questions": {k: v[2] for k, v in per.items()}, "temperature": temperature,
             **({"seed": seed} if temperature else {}), "seconds": round(time.perf_counter() - start, 1)}

@@ -16,6 +16,8 @@ fail() { echo "split_bundle: $1" >&2; exit 1; }
 git rev-parse --show-toplevel > /dev/null 2>&1 || fail "run it from the checkout that travels"
 cd "$(git rev-parse --show-toplevel)"
 case "$bundle" in /*) ;; *) bundle="$OLDPWD/$bundle" ;; esac
+git check-ignore -q "${PREFIX}0/part_00" ||
+  fail "${PREFIX}0/ is not git-ignored: every piece would travel with every command (ignore ${PREFIX}*/)"
 if compgen -G "${PREFIX}*/part_*" > /dev/null; then
   fail "${PREFIX}*/ already holds pieces (of another bundle?): remove them or choose another PREFIX"
 fi
@@ -34,9 +36,5 @@ for p in "$tmp"/part_*; do
   mv "$p" "${PREFIX}${parts}/"
   parts=$((parts + 1))
 done
-if ! git check-ignore -q "${PREFIX}0/part_00"; then
-  rm -rf "${PREFIX}"[0-9]*/part_*
-  fail "${PREFIX}0/ is not git-ignored: every piece would travel with every command (ignore ${PREFIX}*/)"
-fi
 echo "working tree $tree bytes, pieces of at most $piece bytes: ${PREFIX}0 ... ${PREFIX}$((parts - 1)), one per command"
 echo "PARTS=$parts SHA=$(sha256sum "$bundle" | cut -d' ' -f1)"
