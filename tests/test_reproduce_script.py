@@ -4,8 +4,10 @@ CPU-only first stage: the stage is marked done, then skipped when the script run
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +108,8 @@ def run_host_script(tmp_path: Path, script: str, args: list[str], ended: str, sc
                     **settings: str) -> tuple[Path, Path]:
     """``eval/device/<script>`` as on a GPU host whose model is installed, with the stand-in python3, run twice
     (the second command must find the job ended, ``ended`` in its output); ``scripts``: other scripts of
-    eval/device it runs. Returns the result folder ($RES) and the folder of what came back ($OUT)."""
+    eval/device it runs. Returns the result folder ($RES) and the folder of what came back ($OUT) from the
+    second command; the first command's is kept as ``tmp_path / "out1"``."""
     work, fake, res, out, store = (tmp_path / n for n in ("work", "bin", "res", "out", "store"))
     (work / "eval" / "device").mkdir(parents=True)
     for name in (script, "assemble.sh", "job.sh", *scripts):
@@ -121,7 +124,9 @@ def run_host_script(tmp_path: Path, script: str, args: list[str], ended: str, sc
     (store / ".unpacked").touch()
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
            "RES": str(res), "STORE": str(store), "WAIT": "20", "PARTS": "1", "SHA": "0", **settings}
-    for _ in range(2):
+    for call in range(2):
+        if call == 1:
+            shutil.copytree(out, tmp_path / "out1")
         out.mkdir(exist_ok=True)
         for f in out.iterdir():
             f.unlink()
@@ -135,8 +140,8 @@ def run_host_script(tmp_path: Path, script: str, args: list[str], ended: str, sc
 def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     """eval/device/head.sh with a stand-in python3: one self-distillation, each arm trained in its own folder
     from a copy of the distilled answers with its own options, tau per arm, the speed benchmark on the first
-    arm's head, the heads packed once the job has ended; a second command does not start the finished job
-    again."""
+    arm's head, the heads packed as soon as they are trained and sent once; a second command does not start the
+    finished job again."""
     res, out = run_host_script(tmp_path, "head.sh", ["--unroll", "3"], "job ended, status 0",
                                ARMS="a=--arch eagle2;b=--arch eagle3 --layers 2 15 27", SPEED="--device cuda --limit 80",
                                TAU_TEMPERATURE="0.7", GPUS="2")
@@ -154,10 +159,11 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert len(taus) == 4 and len([c for c in taus if "--temperature 0.7" in c]) == 2  # greedy and sampled, per arm
     assert [c for c in calls if c.startswith("-m eval speed")] == \
         [f"-m eval speed --device cuda --limit 80 --head {res}/a/head --out {res}/speed.json"]  # the first arm's
-    assert sorted(f.name for f in out.iterdir()) == ["head.log", "heads.tar", "speed.json", "tau_a.json",
+    assert sorted(f.name for f in out.iterdir()) == ["head.log", "speed.json", "tau_a.json",
                                                      "tau_a_sampled.json", "tau_b.json", "tau_b_sampled.json"]
-    assert (res / "distill" / ".sent").is_file()  # the distilled answers came back with the first command
-    listing = subprocess.run(["tar", "-tf", str(out / "heads.tar")], capture_output=True, text=True).stdout
+    first = tmp_path / "out1"  # the distilled answers and the heads came back with the first command, once
+    assert {"distilled.jsonl.gz", "heads.tar"} <= {f.name for f in first.iterdir()}
+    listing = subprocess.run(["tar", "-tf", str(first / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
 
 
@@ -442,3 +448,20 @@ def test_batch_script_warms_the_default_batch_sizes_less_one(tmp_path):
     warm = [c for c in (tmp_path / "calls").read_text().splitlines() if "warm-ar" in c]
     expected = ",".join(s for s in DEFAULT_BATCH_SIZES.split(",") if s != "1")
     assert len(warm) == 1 and f"--batch-sizes {expected} --methods ar" in warm[0]
+
+
+def test_head_script_shrinks_the_training_budget_to_a_deadline(tmp_path):
+    """END_BY: the training's budget is what is left before the deadline less RESERVE, at least 60 s (a
+    deadline already past gives 60 s); without END_BY the TIME_BUDGET stands."""
+    run_host_script(tmp_path, "head.sh", [], "job ended, status 0", END_BY="1", TIME_BUDGET="900")
+    arms = [c for c in (tmp_path / "calls").read_text().splitlines()
+            if c.startswith("-m training run") and "--stage distill" not in c]
+    assert len(arms) == 1 and "--time-budget 60 " in arms[0] + " "
+    assert "training budget 60 s" in (tmp_path / "res" / "log").read_text()
+    later = tmp_path / "later"
+    later.mkdir()
+    run_host_script(later, "head.sh", [], "job ended, status 0", END_BY=str(int(time.time()) + 10_000),
+                    TIME_BUDGET="900", RESERVE="300")
+    arms = [c for c in (later / "calls").read_text().splitlines()
+            if c.startswith("-m training run") and "--stage distill" not in c]
+    assert len(arms) == 1 and "--time-budget 900 " in arms[0] + " "  # the budget fits before the deadline

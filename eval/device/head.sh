@@ -10,7 +10,8 @@
 # MT-bench for each arm's head. Every command waits up to $WAIT seconds (default 540, or until the job ends) and
 # copies to $OUT the log, the distilled answers (once, to seed a new host with DISTILLED_FROM=), each arm's
 # checkpoint progress (progress_<arm>.json) and tau (tau_<arm>.json); once the job has ended, the heads as one
-# tar (heads.tar, in 15 MiB pieces heads.tar.partNN when larger). A job that died is restarted: every stage
+# tar (heads.tar, in 15 MiB pieces heads.tar.partNN when larger), as soon as they are trained (before tau and
+# the speed run), once each. A job that died is restarted: every stage
 # continues from what its run folders hold (distilled answers, checkpoints, exported heads).
 # Settings:
 #   RECIPE      training recipe (default training/recipes/gemma3-270m-eagle3.json with GEMMA=1, else
@@ -20,6 +21,9 @@
 #               ARMS="eagle2=--arch eagle2;eagle3=--arch eagle3 --layers 2 15 27 --draft-vocab-size 16384"
 #   DATA        conversation file (default train_convs.jsonl.gz in the bundle)
 #   TIME_BUDGET training seconds of each arm (default 1500; 0: none, the recipe's epochs or max_steps decide)
+#   END_BY      a deadline (Unix seconds, e.g. $(( $(date +%s) + 1500 )) on the first command): when the training
+#               starts, its budget shrinks to END_BY - now - RESERVE (default 300 s, for tau), at least 60 s, so
+#               that a slow self-distillation cannot push the heads past the time the host is held
 #   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
 #               it as <file>.json)
 #   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
@@ -63,14 +67,12 @@ if needs_start; then
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
       TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
-      WARM="${WARM:-0}" \
+      WARM="${WARM:-0}" END_BY="${END_BY:-}" RESERVE="${RESERVE:-300}" \
       GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" NPROC="${NPROC:-1}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
       target=()
       if [ "$GEMMA" = 1 ]; then target=(--target "$(python3 -m fsd_eagle.gemma3)") || fail $?; fi
-      budget=()
-      [ "$TIME_BUDGET" = 0 ] || budget=(--time-budget "$TIME_BUDGET")
       if [ -n "$SPEED" ] && [ "$WARM" -gt 0 ] && [ ! -f "$0/speed.json" ]; then  # compiled beside the training
         read -r -a speed <<< "$SPEED"
         python3 -m eval speed "${speed[@]}" "${target[@]}" --warm "$WARM" --warm-only --out "$0/warm/speed.json" \
@@ -81,6 +83,13 @@ if needs_start; then
       if [ "$GPUS" -gt 1 ]; then distiller=(torchrun --standalone --nproc-per-node "$GPUS" -m training); fi
       "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/distill" --device cuda \
           --stage distill --resume --workers "$WORKERS" "$@" >> "$0/log" 2>&1 || fail $?
+      if [ -n "$END_BY" ]; then  # what is left before the deadline, less the reserve, at least 60 s
+        left=$(( END_BY - $(date +%s) - RESERVE )); left=$(( left > 60 ? left : 60 ))
+        if [ "$TIME_BUDGET" = 0 ] || [ "$TIME_BUDGET" -gt "$left" ]; then TIME_BUDGET=$left; fi
+        echo "training budget ${TIME_BUDGET} s (deadline in $(( END_BY - $(date +%s) )) s)" >> "$0/log"
+      fi
+      budget=()
+      [ "$TIME_BUDGET" = 0 ] || budget=(--time-budget "$TIME_BUDGET")
       IFS=";" read -r -a arms <<< "$ARMS"
       workers=$(( WORKERS / ${#arms[@]} > 0 ? WORKERS / ${#arms[@]} : 1 ))
       pids=(); index=0
@@ -146,16 +155,17 @@ if [ -n "${OUT:-}" ]; then
     cp "$RES/$name/sampled/tau.json" "$OUT/tau_${name}_sampled.json" 2> /dev/null || true
     cp "$RES/$name/checkpoint/progress.json" "$OUT/progress_$name.json" 2> /dev/null || true
   done
-  if ! running; then
-    heads=()
-    for name in "${names[@]}"; do [ -f "$RES/$name/head/config.json" ] && heads+=("$name/head"); done
-    if [ "${#heads[@]}" -gt 0 ]; then
-      tar -cf "$RES/heads.tar" -C "$RES" "${heads[@]}"
-      if [ "$(stat -c %s "$RES/heads.tar")" -gt $((15 * 1048576)) ]; then
-        split -b 15m -d "$RES/heads.tar" "$OUT/heads.tar.part"
-      else
-        cp "$RES/heads.tar" "$OUT/"
-      fi
+  heads=()  # trained heads not sent yet (a head folder appears whole: the trainer renames it into place)
+  for name in "${names[@]}"; do
+    [ -f "$RES/$name/head/config.json" ] && [ ! -f "$RES/$name/.head_sent" ] && heads+=("$name")
+  done
+  if [ "${#heads[@]}" -gt 0 ]; then
+    tar -cf "$RES/heads.tar" -C "$RES" "${heads[@]/%//head}"
+    if [ "$(stat -c %s "$RES/heads.tar")" -gt $((15 * 1048576)) ]; then
+      split -b 15m -d "$RES/heads.tar" "$OUT/heads.tar.part"
+    else
+      cp "$RES/heads.tar" "$OUT/"
     fi
+    for name in "${heads[@]}"; do touch "$RES/$name/.head_sent"; done
   fi
 fi
