@@ -5,8 +5,11 @@ long compilation takes).
     python eval/device/check_graphs.py            # the default model and its shipped head
     python eval/device/check_graphs.py --tiny     # a small random Llama and head (no model files needed)
     python eval/device/check_graphs.py --tiny --attention flex     # another tree-attention backend
+    python eval/device/check_graphs.py --target "$(python -m fsd_eagle.gemma3)" --random-head \
+        --dtype float32 --long    # Gemma 3 270M, a prompt past its 512-token sliding window
 """
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -30,13 +33,13 @@ def tiny_generator(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) ->
     return random_generator(cfg, dtype, device, seed=0)
 
 
-def check_no_sync(gen: SpeculativeGenerator, prompt, kw: dict) -> dict[str, bool]:
+def check_no_sync(gen: SpeculativeGenerator, prompt, kw: dict, rules=RULES) -> dict[str, bool]:
     """Per rule: whether an eager round of the session a call used runs without a host sync (on the CPU,
     where there is none to detect, only that the round runs)."""
     gen.configure(cuda_graphs=False)
     cuda = gen.target.device.type == "cuda"
     ok = {}
-    for label, kwargs in RULES:
+    for label, kwargs in rules:
         gen.generate(prompt, 32, **kwargs, **kw)
         session = gen.session(**{k: v for k, v in kwargs.items() if k != "seed"})  # the one generate() just used
         if cuda:
@@ -55,11 +58,12 @@ def check_no_sync(gen: SpeculativeGenerator, prompt, kw: dict) -> dict[str, bool
     return ok
 
 
-def compare_backends(gen: SpeculativeGenerator, prompt, kw: dict, max_new_tokens: int = 128) -> dict[str, bool]:
+def compare_backends(gen: SpeculativeGenerator, prompt, kw: dict, max_new_tokens: int = 128,
+                     rules=RULES) -> dict[str, bool]:
     """Per rule and method: whether graph-replayed and compiled rounds give the eager rounds' tokens."""
     cuda = gen.target.device.type == "cuda"
     same = {}
-    for label, kwargs in RULES:
+    for label, kwargs in rules:
         for ar in (True, False):
             res = {}
             for backend in ("eager", "graph", "compiled"):
@@ -84,16 +88,42 @@ def compare_backends(gen: SpeculativeGenerator, prompt, kw: dict, max_new_tokens
     return same
 
 
+def long_prompt(gen: SpeculativeGenerator) -> list[int]:
+    """Token ids of the first 14 MT-bench first turns joined (about 700 tokens with SmolLM2's or Gemma 3's
+    tokenizer: past a 512-token sliding window)."""
+    from eval.tasks import load_mt_bench
+
+    return gen.encode(" ".join(q.turns[0] for q in load_mt_bench(limit=14)))
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    tiny = "--tiny" in argv
-    gen = tiny_generator() if tiny else SpeculativeGenerator.load(device="cuda", dtype="bfloat16")
-    if "--attention" in argv:
-        gen.use_attention(argv[argv.index("--attention") + 1])
-    prompt = list(range(10, 60)) if tiny else "Explain how a transformer language model generates text, step by step."
-    kw = dict(chat=False) if tiny else {}
-    check_no_sync(gen, prompt, kw)
-    compare_backends(gen, prompt, kw)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a small random Llama and head")
+    ap.add_argument("--target", help="target folder (default: the default model)")
+    ap.add_argument("--random-head", action="store_true", help="a random head of the target's shape")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention", help="tree-attention backend")
+    ap.add_argument("--long", action="store_true", help="a prompt of ~700 tokens (past a 512-token window)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--greedy-only", action="store_true", help="no sampling rule (half the compilations)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.tiny:
+        gen = tiny_generator(dtype=getattr(torch, args.dtype))
+    else:
+        gen = SpeculativeGenerator.load(target=args.target, device="cuda", dtype=args.dtype,
+                                        random_head=args.random_head)
+    if args.attention:
+        gen.use_attention(args.attention)
+    if args.tiny:
+        prompt, kw = list(range(10, 60)), dict(chat=False)
+    elif args.long:
+        prompt, kw = long_prompt(gen), {}
+        print(f"prompt of {len(prompt)} tokens", flush=True)
+    else:
+        prompt, kw = "Explain how a transformer language model generates text, step by step.", {}
+    rules = RULES[:1] if args.greedy_only else RULES
+    check_no_sync(gen, prompt, kw, rules)
+    compare_backends(gen, prompt, kw, args.new_tokens, rules)
 
 
 if __name__ == "__main__":
