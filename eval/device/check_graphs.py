@@ -60,9 +60,10 @@ def check_no_sync(gen: SpeculativeGenerator, prompt, kw: dict, rules=RULES) -> d
 
 def compare_backends(gen: SpeculativeGenerator, prompt, kw: dict, max_new_tokens: int = 128,
                      rules=RULES) -> dict[str, bool]:
-    """Per rule and method: whether graph-replayed and compiled rounds give the eager rounds' tokens."""
+    """Per rule and method: whether graph-replayed and compiled rounds give the eager rounds' tokens; and
+    for greedy decoding (exact in float32), whether EAGLE-2 gives AR's tokens (key ``greedy_eagle2_is_ar``)."""
     cuda = gen.target.device.type == "cuda"
-    same = {}
+    same, eager = {}, {}
     for label, kwargs in rules:
         for ar in (True, False):
             res = {}
@@ -85,6 +86,11 @@ def compare_backends(gen: SpeculativeGenerator, prompt, kw: dict, max_new_tokens
             print(f"{label}: graph identical to eager:", res["graph"] == res["eager"],
                   "| compiled identical to eager:", res["compiled"] == res["eager"])
             same[f"{label}_{'ar' if ar else 'eagle2'}"] = res["graph"] == res["eager"] == res["compiled"]
+            eager[label, ar] = res["eager"]
+        if label == "greedy":
+            same["greedy_eagle2_is_ar"] = eager[label, True] == eager[label, False]
+            print(f"greedy: EAGLE-2 identical to AR ({gen.target.model.dtype}):", same["greedy_eagle2_is_ar"],
+                  flush=True)
     return same
 
 
