@@ -70,3 +70,23 @@ def test_a_vocabulary_without_bos_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="no <bos> token"):
         write_gemma_tokenizer(gguf, tmp_path)
     assert not (tmp_path / "tokenizer.json").exists()
+
+
+def test_a_folder_whose_tokenizer_cuts_characters_is_refused(tmp_path):
+    """The check after conversion: a tokenizer that cuts the pangram into characters (what transformers 5.17's
+    own conversion of Gemma's GGUF gives) is a one-line ModelLoadError; word pieces pass."""
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fsd_eagle.gemma3 import PANGRAM, check_tokenizer
+
+    letters = sorted(set(PANGRAM))
+    chars = Tokenizer(models.WordLevel({c: i for i, c in enumerate(["<unk>"] + letters)}, unk_token="<unk>"))
+    chars.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=chars, unk_token="<unk>").save_pretrained(tmp_path / "chars")
+    with pytest.raises(ModelLoadError, match="cuts a 9-word sentence into 4[0-9] pieces"):
+        check_tokenizer(tmp_path / "chars")
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>"] + PANGRAM.split())}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(tmp_path / "words")
+    check_tokenizer(tmp_path / "words")
