@@ -19,4 +19,11 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-.PHONY: setup demo test
+# The suite against the oldest transformers this package supports (pyproject.toml's lower bound; GPU hosts
+# may have it): that release and its dependencies go into .oldest, ahead of the venv's on the path.
+TRANSFORMERS_OLDEST ?= 5.17.0
+test-oldest: setup
+	$(BIN)/pip install -q --upgrade --target .oldest "transformers==$(TRANSFORMERS_OLDEST)"
+	PYTHONPATH=.oldest $(BIN)/python -m pytest -q
+
+.PHONY: setup demo test test-oldest

@@ -69,3 +69,12 @@ def test_an_installed_wheel_reads_its_presets(wheel, tmp_path):
     from fsd_eagle import trees_presets
 
     assert found["cpu"] == trees_presets.preset_for("SmolLM2-135M-Instruct", "cpu").to_dict()
+
+
+def test_make_test_oldest_pins_the_lower_bound_of_transformers():
+    """`make test-oldest` tests the release that pyproject.toml names as the oldest supported."""
+    import re
+
+    bound = re.search(r'"transformers>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    pinned = re.search(r"^TRANSFORMERS_OLDEST \?= ([0-9.]+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert pinned.split(".")[:2] == bound.split(".")[:2] and pinned.startswith(bound)
