@@ -19,7 +19,6 @@ tokenizer itself, from the file alone:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .errors import ModelLoadError
@@ -94,9 +93,9 @@ def write_gemma_tokenizer(gguf: Path, folder: Path) -> None:
     file and renamed into place); the folder's tokenizer_config.json is kept."""
     tokens, types = read_gguf_vocab(gguf)
     tok = build_tokenizer(tokens, types)
-    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise ModelLoadError(f"the tokenizer built from {gguf.name} has {tok.get_vocab_size()} tokens, "
-                             f"the file {len(tokens)}")
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size != len(tokens):
+        raise ModelLoadError(f"the tokenizer built from {gguf.name} has {size} tokens, the file {len(tokens)}")
     tmp = folder / "tokenizer.json.tmp"
-    tmp.write_text(json.dumps(json.loads(tok.to_str()), ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    tok.save(str(tmp))
     tmp.replace(folder / "tokenizer.json")

@@ -9,10 +9,9 @@
 # self-distillation once, then one training run per arm side by side on the same distilled answers, then tau on
 # MT-bench for each arm's head. Every command waits up to $WAIT seconds (default 540, or until the job ends) and
 # copies to $OUT the log, the distilled answers (once, to seed a new host with DISTILLED_FROM=), each arm's
-# checkpoint progress (progress_<arm>.json) and tau (tau_<arm>.json); once the job has ended, the heads as one
-# tar (heads.tar, in 15 MiB pieces heads.tar.partNN when larger), as soon as they are trained (before tau and
-# the speed run), once each. A job that died is restarted: every stage
-# continues from what its run folders hold (distilled answers, checkpoints, exported heads).
+# checkpoint progress (progress_<arm>.json) and tau (tau_<arm>.json); and the trained heads as one tar (heads.tar,
+# in 15 MiB pieces heads.tar.partNN when larger), each head once, as soon as it is trained (before tau and the
+# speed run). A job that died is restarted: every stage continues from what its run folders hold (distilled answers, checkpoints, exported heads).
 # Settings:
 #   RECIPE      training recipe (default training/recipes/gemma3-270m-eagle3.json with GEMMA=1, else
 #               training/recipes/smollm2-135m-instruct.json)
