@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shlex
 import signal
@@ -26,7 +27,7 @@ from fsd_eagle.jsonl import write_text_atomic
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
+    p.add_argument("--head", help="draft head folder (default: the head shipped for the target, if any)")
     p.add_argument("--draft-model", help="a small causal LM folder sharing the target's tokenizer, drafting "
                                          "instead of a head (classic SD; a chain suits it: tree top-k 1, e.g. depth 5)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
@@ -94,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree", metavar="T/D/K[/vV]",
                    help="draft tree, e.g. 64/6/8/v16384 (default: fsd_eagle.config.TreeConfig's defaults)")
+    p.add_argument("--exact", action="store_true",
+                   help="also decode each question autoregressively and count identical answers (greedy only)")
     p.add_argument("--out", help="also write the JSON to OUT/tau.json")
 
     sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
@@ -134,6 +137,10 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
+    from fsd_eagle.models import resolve_device
+
+    from .runinfo import git_commit, versions
+    from .speed import device_label
     from .tasks import first_per_category, load_mt_bench, load_spec_bench
     from .tau import measure_tau
 
@@ -150,8 +157,14 @@ def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"--tree: {e}") from None
     if a.head is not None and a.draft_model is not None:
         raise ConfigError("use either --head or --draft-model, not both")
+    if a.exact and a.temperature:
+        raise ConfigError("--exact compares greedy decoding with autoregressive decoding: use it at temperature 0")
     result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers,
-                         tree=tree.to_dict(), temperature=a.temperature, seed=a.seed, draft_model=a.draft_model)
+                         tree=tree.to_dict(), temperature=a.temperature, seed=a.seed, draft_model=a.draft_model,
+                         exact=a.exact)
+    result["run"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "device": device_label(resolve_device(a.device)), "command": _command_line(argv),
+                     "code": git_commit(short=True), **versions()}
     text = json.dumps(result)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

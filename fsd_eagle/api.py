@@ -133,8 +133,10 @@ class SpeculativeGenerator:
              device: str | None = None, dtype: str | None = None, tree: TreeConfig | None = None,
              random_head: bool = False, compile: bool = False, threads: int | None = None,
              tp_size: int = 1) -> "SpeculativeGenerator":
-        """Load a local target folder (default: SmolLM2-135M-Instruct) with ``head`` (default: the shipped
-        head of the default target), or a ``draft_model`` folder; ``random_head`` builds an untrained head.
+        """Load a local target folder (default: SmolLM2-135M-Instruct) with ``head`` (default: the head shipped
+        for the target, found by its folder's name: ``fsd_eagle/heads/<name>`` for the default model and Gemma
+        3 270M's converted folder; without one, decoding is autoregressive), or a ``draft_model`` folder;
+        ``random_head`` builds an untrained head.
         ``compile``: on a GPU, compile each round configuration with torch.compile before graph capture
         (about a minute on first use of a configuration, then several times fewer kernels per round).
         ``threads``: torch CPU threads, set once here with ``torch.set_num_threads`` (for the whole process).
@@ -161,12 +163,16 @@ class SpeculativeGenerator:
         set_threads(threads, dev)
         dt = resolve_dtype(dtype, dev)
         model, tokenizer = load_target(target, dev, dt, tp_size)
-        head_path = head if head is not None else (default_head_path(DEFAULT_TARGET) if target is None else None)
+        text_config = model.config.get_text_config()
+        if head is None and draft_model is None and not random_head:  # the target's shipped head, if any
+            head_path = default_head_path(DEFAULT_TARGET if target is None else Path(target).resolve().name, text_config)
+        else:
+            head_path = head
         head_module = None
         if head_path is not None and draft_model is None:
-            head_module = load_head(head_path, model.config.get_text_config(), dev, dt)
+            head_module = load_head(head_path, text_config, dev, dt)
         elif random_head or (target is None and draft_model is None):
-            head_module = EagleHead(HeadConfig.for_target(model.config.get_text_config())).to(dev, dt).eval()
+            head_module = EagleHead(HeadConfig.for_target(text_config)).to(dev, dt).eval()
             parallel.broadcast_module(head_module)  # one random head for every rank
         draft = load_target(draft_model, dev, dt)[0] if draft_model is not None else None
         gen = cls(model, tokenizer, head_module, draft, tree or TreeConfig())

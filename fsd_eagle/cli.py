@@ -56,7 +56,7 @@ def _generate_parser(sub) -> None:
                    help=f"with --input: prompts decoded together (default {BATCH_SIZE})")
     p.add_argument("--quiet", action="store_true", help="no progress or statistics on stderr")
     p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--head", help="draft head folder (default: the shipped head of the default target)")
+    p.add_argument("--head", help="draft head folder (default: the head shipped for the target, if any)")
     p.add_argument("--draft-model", help="a small causal LM folder to draft with instead of a head")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

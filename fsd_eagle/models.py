@@ -272,10 +272,20 @@ def _check_loading_info(folder: Path, info: dict) -> None:
         raise ModelLoadError(f"cannot load the model at {folder}: {_first_line(Exception(info['error_msgs'][0]))}")
 
 
-def default_head_path(target_name: str) -> Path | None:
-    """The shipped head for a known target, if there is one."""
+def default_head_path(target_name: str, target_config=None) -> Path | None:
+    """The shipped head for a target named ``target_name`` (its folder's name, e.g. the converted
+    ``SmolLM2-135M-Instruct`` or ``gemma-3-270m``), if there is one; given the target's (text) config, only
+    a head of its hidden size and vocabulary, so that another model in a folder of the same name decodes
+    without it rather than failing on a head of the wrong shape."""
     path = HEADS_DIR / target_name
-    return path if (path / "config.json").exists() else None
+    if not (path / "config.json").exists():
+        return None
+    if target_config is not None:
+        shipped = read_head_config(path)
+        if (shipped.get("hidden_size"), shipped.get("vocab_size")) != (target_config.hidden_size,
+                                                                      target_config.vocab_size):
+            return None
+    return path
 
 
 def read_head_config(folder: Path) -> dict:

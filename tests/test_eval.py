@@ -309,6 +309,37 @@ def test_tau_command(folders, tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("error: --tree: expected a tree")
 
 
+def test_tau_exact_counts_answers_identical_to_autoregressive_decoding(folders, capsys, monkeypatch):
+    """--exact decodes each question autoregressively too: greedy EAGLE-2 matches it on every question; a
+    drafter whose answers differ (here every speculative answer with its third token changed) is reported
+    per question with the first differing position; with a temperature it is a one-line error. The result
+    records its run (date, device, command, code, versions)."""
+    from fsd_eagle.api import SpeculativeGenerator
+
+    base = ["tau", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+            "--dtype", "float32", "--limit", "2", "--max-new-tokens", "8", "--exact"]
+    assert eval_main(base) == 0
+    exact = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert exact["identical_to_ar"]["all"] == 2 and exact["differing"] == []
+    assert exact["run"]["command"].endswith("--exact") and exact["run"]["device"].startswith("CPU")
+    assert {"date", "code", "torch", "transformers"} <= set(exact["run"])
+    generate = SpeculativeGenerator.generate
+
+    def altered(self, prompt, max_new_tokens=256, **kw):
+        r = generate(self, prompt, max_new_tokens, **kw)
+        if not kw.get("autoregressive"):
+            r.token_ids[2] += 1
+        return r
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", altered)
+    assert eval_main(base) == 0
+    broken = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert broken["identical_to_ar"]["all"] == 0
+    assert [d["first_difference"] for d in broken["differing"]] == [2, 2]
+    assert eval_main(base + ["--temperature", "0.7"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --exact compares greedy decoding")
+
+
 def test_tau_command_drafts_with_a_draft_model(folders, capsys):
     """--draft-model drafts instead of the head (it was once accepted and ignored): the target drafting for
     itself greedily has every drafted token of the chain accepted (40 tokens in 14 forwards, the prefill

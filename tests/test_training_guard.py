@@ -101,6 +101,22 @@ def test_resume_of_a_run_without_fingerprint_is_taken_with_a_note(setup, started
     assert (run / FINGERPRINT_FILE).exists()
 
 
+def test_a_new_run_seeded_with_distilled_answers_gets_no_note(setup, tmp_path, capsys):
+    """A folder holding only distilled answers copied from another run (docs/gemma3.md) is a new run: no
+    note about a missing fingerprint, which it then gets; anything else there still gets the note."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "distilled.json").write_text("{}\n")
+    capsys.readouterr()
+    assert main(setup.argv(run, "--resume", "--stop-after", 0)) == 0
+    assert "has no" not in capsys.readouterr().err and (run / FINGERPRINT_FILE).exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x\n")
+    assert main(setup.argv(other, "--resume", "--stop-after", 0)) == 0
+    assert f"has no {FINGERPRINT_FILE}" in capsys.readouterr().err
+
+
 BAD = {
     "epochs -1": ({"epochs": -1}, "epochs must be at least 1, got -1"),
     "epochs 0": ({"epochs": 0}, "epochs must be at least 1"),

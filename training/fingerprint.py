@@ -15,6 +15,9 @@ from fsd_eagle.jsonl import write_text_atomic
 from .recipe import Recipe
 
 FINGERPRINT_FILE = "run.json"
+# What a new run folder may be seeded with before its first run (self-distilled answers from another run
+# folder, with the settings they were made with, which the distillation stage checks itself).
+SEED_FILES = frozenset({"distilled.jsonl.gz", "distilled.json"})
 
 # Recipe values a resumed call may change: how long to train (a resume may extend a run), how often to save,
 # how validation is measured, and the distillation settings (checked against the cached answers by
@@ -63,10 +66,11 @@ def write_fingerprint(out: Path, fingerprint: dict) -> None:
 
 def check_resume(out: Path, fingerprint: dict) -> None:
     """Refuse to resume a run folder made for another target, recipe or data, naming the difference. A folder
-    without a fingerprint (a run started before runs had one) is taken as is, with a note."""
+    without a fingerprint (a run started before runs had one) is taken as is, with a note; one that holds
+    nothing but seeded distilled answers is a new run, without one."""
     path = out / FINGERPRINT_FILE
     if not path.exists():
-        if any(out.iterdir()) if out.is_dir() else False:
+        if out.is_dir() and any(p.name not in SEED_FILES for p in out.iterdir()):
             print(f"note: {out} has no {FINGERPRINT_FILE} (a run started by an older version): not checked",
                   file=sys.stderr, flush=True)
         return
