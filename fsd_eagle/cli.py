@@ -171,6 +171,10 @@ def load_generator(args: argparse.Namespace):
                                     tp_size=getattr(args, "tp_size", None) or 1)
     gen.set_tree(args.total_tokens, args.depth, args.tree_top_k, args.draft_vocab)
     gen.use_attention(args.attention)
+    if not (gen.engine.has_drafter or args.autoregressive or getattr(args, "quiet", False) or getattr(args, "json", False)):
+        name = Path(args.target).resolve().name if args.target else "the default model"
+        print(f"note: no draft head is shipped for {name}: decoding autoregressively (--head or --draft-model to "
+              "speculate)", file=sys.stderr)
     return gen
 
 

@@ -76,6 +76,9 @@ def test_autoregressive_same_text_at_temperature_0(folders, capfd):
     ar = run_json(capfd, base_args(folders, "--autoregressive"))
     no_head = run_json(capfd, base_args(folders, head=False))
     assert spec["text"] == ar["text"] == no_head["text"]
+    rc, out, err = run_main(capfd, base_args(folders, head=False))  # without --json: said on stderr, once
+    assert rc == 0 and out.strip() == spec["text"].strip()
+    assert err.count("note: no draft head is shipped for target: decoding autoregressively") == 1
     assert ar["target_forwards"] == ar["new_tokens"] and ar["tau"] == 1.0
     chain = run_json(capfd, base_args(folders, "--tree-top-k", "1", "--total-tokens", "5"))
     assert chain["text"] == ar["text"]
