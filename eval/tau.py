@@ -59,21 +59,18 @@ def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_
     else:
         with mp.get_context("spawn").Pool(workers) as pool:
             rows = [r for part in pool.map(_worker, chunks) for r in part]
-    per = defaultdict(lambda: [0, 0, 0])
+    per = defaultdict(lambda: [0, 0, 0, 0])  # new tokens, target forwards, questions, answers identical to AR
     for r in rows:
         for key in ("all", r["category"]):
             per[key][0] += r["new_tokens"]
             per[key][1] += r["target_forwards"]
             per[key][2] += 1
+            per[key][3] += r.get("identical", False)
     drafter = ({"draft_model": str(draft_model)} if draft_model is not None
                else {"head": str(head) if head is not None else "shipped"})
     checked = {}
     if exact:
-        same = defaultdict(int)
-        for r in rows:
-            for key in ("all", r["category"]):
-                same[key] += r["identical"]
-        checked = {"identical_to_ar": {k: same[k] for k in per},
+        checked = {"identical_to_ar": {k: v[3] for k, v in per.items()},
                    "differing": [{"question_id": r["question_id"], "first_difference": r["first_difference"]}
                                  for r in rows if not r["identical"]]}
     return {"tau": {k: round(v[0] / v[1], 3) for k, v in per.items()}, "tree": opts["tree"], **drafter,

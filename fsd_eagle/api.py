@@ -17,11 +17,11 @@ from .drafter import SlotDrafter
 from .engine import Engine
 from .errors import BusyError, ConfigError, InputError
 from .head import EagleHead, HeadConfig
-from .models import (DEFAULT_TARGET, default_head_path, load_head, load_target, read_target_config, resolve_device,
+from .models import (default_head_path, load_head, load_target, read_target_config, resolve_device,
                      resolve_dtype)
 from .schedule import Request, Scheduler
 from .session import Plan, Session, session_rows
-from .trees_presets import BUCKETS
+from .trees_presets import BUCKETS, model_name
 from .target import Target
 from .verify import AcceptanceRule
 
@@ -165,7 +165,7 @@ class SpeculativeGenerator:
         model, tokenizer = load_target(target, dev, dt, tp_size)
         text_config = model.config.get_text_config()
         if head is None and draft_model is None and not random_head:  # the target's shipped head, if any
-            head_path = default_head_path(DEFAULT_TARGET if target is None else Path(target).resolve().name, text_config)
+            head_path = default_head_path(model_name(model.config), text_config)
         else:
             head_path = head
         head_module = None

@@ -164,6 +164,7 @@ def check_seed(seed, what: str) -> None:
 def load_generator(args: argparse.Namespace):
     """The generator the options describe: model, drafter, tree (the preset, explicit values winning), attention."""
     from .api import SpeculativeGenerator
+    from .trees_presets import model_name
 
     quiet_transformers()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
@@ -171,10 +172,9 @@ def load_generator(args: argparse.Namespace):
                                     tp_size=getattr(args, "tp_size", None) or 1)
     gen.set_tree(args.total_tokens, args.depth, args.tree_top_k, args.draft_vocab)
     gen.use_attention(args.attention)
-    if not (gen.engine.has_drafter or args.autoregressive or getattr(args, "quiet", False) or getattr(args, "json", False)):
-        name = Path(args.target).resolve().name if args.target else "the default model"
-        print(f"note: no draft head is shipped for {name}: decoding autoregressively (--head or --draft-model to "
-              "speculate)", file=sys.stderr)
+    if not (gen.engine.has_drafter or args.autoregressive or args.quiet or args.json):
+        print(f"note: no draft head is shipped for {model_name(gen.engine.model.config)}: decoding autoregressively "
+              "(--head or --draft-model to speculate)", file=sys.stderr)
     return gen
 
 
