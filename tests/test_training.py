@@ -472,13 +472,42 @@ def test_a_fitted_schedule_survives_resume(llama, tmp_path, monkeypatch):
     rates = []
     real_lr = training.train.lr_at
     monkeypatch.setattr(training.train, "lr_at", lambda step, total, r: rates.append((step, total)) or real_lr(step, total, r))
-    # a budget so small that the fit at step 60 ends the run right there
+    # a budget that the first step spends ends the run right there
     assert main(llama.argv(out, "--time-budget", 1e-6, "--stop-after", 1e9, recipe=recipe)) == 0
     progress = _progress(out)
-    assert progress["fitted"] and progress["total"] == progress["step"] == 60
+    assert progress["fitted"] and progress["total"] == progress["step"] == 1
     rates.clear()
     assert main(llama.argv(out, "--resume", recipe=recipe)) == 0  # nothing left to train
-    assert rates == [] and _progress(out)["step"] == 60
+    assert rates == [] and _progress(out)["step"] == 1
+
+
+class _Clock:
+    """A stand-in for the trainer's ``time`` module: every ``perf_counter()`` call is ``tick`` s later."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_a_time_budget_shortens_the_run_at_step_60(llama, tmp_path, monkeypatch):
+    """Steps that fit the first 60 into the budget but not the recipe's length: the fit at step 60 ends the
+    run at the step where the budget runs out (with the schedule's full decay); the same budget spent before
+    step 60 ends the run there."""
+    recipe = llama.write_recipe("recipe_fit60.json", epochs=30, checkpoint_every=1000)
+    clock = _Clock(0.5)
+    monkeypatch.setattr(training.train, "time", clock)
+    out = tmp_path / "run"
+    assert main(llama.argv(out, "--time-budget", 100, recipe=recipe)) == 0
+    progress, steps_per_epoch = _progress(out), _log(out)[0]["step"]
+    assert progress["fitted"] and 60 < progress["total"] == progress["step"] < 30 * steps_per_epoch - 5
+    clock = _Clock(5.0)
+    monkeypatch.setattr(training.train, "time", clock)
+    slow = tmp_path / "slow"
+    assert main(llama.argv(slow, "--time-budget", 100, recipe=recipe)) == 0
+    assert _progress(slow)["fitted"] and _progress(slow)["step"] < 60
 
 
 def test_init_warm_starts_from_a_head(llama, tmp_path, capsys):
@@ -905,8 +934,8 @@ def test_ctrl_c_before_training(llama, tmp_path, monkeypatch, capsys):
 
 
 def test_validation_stops_at_the_time_budget(llama, tmp_path, capsys):
-    """Validation counts in --time-budget: once it is spent, a validation decodes one prompt only (the
-    recipe has two) and says so; progress lines name the long steps."""
+    """Validation counts in --time-budget: once it is spent, training ends (here at its first step) and the
+    validation decodes one prompt only (the recipe has two) and says so; progress lines name the long steps."""
     recipe = llama.write_recipe("recipe_val_budget.json", epochs=2)
     out = tmp_path / "run"
     assert main(llama.argv(out, "--time-budget", 1e-6, recipe=recipe)) == 0
@@ -915,7 +944,7 @@ def test_validation_stops_at_the_time_budget(llama, tmp_path, capsys):
     assert any(line.startswith("tokenizing ") for line in lines)
     assert any("validation (tau)" in line for line in lines)
     log = _log(out)
-    assert len(log) == 2 and all(e["val_prompts_decoded"] == 1 for e in log)
+    assert len(log) == 1 and log[0]["step"] == 1 and log[0]["val_prompts_decoded"] == 1
     assert main(llama.argv(tmp_path / "unbounded", recipe=recipe)) == 0
     assert all("val_prompts_decoded" not in e and "val_tau" in e for e in _log(tmp_path / "unbounded"))
 

@@ -259,6 +259,8 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     every 100 steps, the mean step time (validations left out) is measured and the run shortened so that its
     steps and the validations still to come (each as long as the last one) fit (the LR schedule is rescaled
     to the new length, so it still ends decayed); the fitted length is kept in the checkpoint for resumed calls.
+    Steps so slow that the budget is spent before step 60 (a CPU run, a large batch) end the run when it is
+    spent, with the learning rate where the schedule had it.
     ``stop_after_s``: this call stops after that many seconds with a checkpoint (finished False), to be
     continued with ``resume`` (e.g. a run longer than one job of a time-limited machine).
     On KeyboardInterrupt (Ctrl-C) a checkpoint of the steps done is saved, then the interrupt goes on.
@@ -347,6 +349,9 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                         for _ in range(2):
                             end = step + max(0, int((left - validations_until(end) * last_val_s) / per_step))
                     total, fitted = min(cap, from_main(end, ranks, device)), True
+                if (deadline is not None and step - first_step < 60 and step < total
+                        and from_main(int(time.perf_counter() >= deadline), ranks, device)):
+                    total, fitted = step, True  # steps so slow that the budget is spent before the first fit
                 if step >= total:
                     break
                 if stop_after_s is not None and from_main(int(time.perf_counter() - started >= stop_after_s),
