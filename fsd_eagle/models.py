@@ -139,10 +139,14 @@ def keep_plain_decoding(folder: Path) -> None:
     """Make a converted folder's tokenizer decode its tokens as they are: some transformers versions save a
     GGUF tokenizer with ``clean_up_tokenization_spaces`` true, a WordPiece step that would strip the spaces
     before punctuation of a byte-level BPE text (newer versions ignore it, with a warning at every load).
-    Rewrites tokenizer_config.json (atomically) only where it says true."""
+    Rewrites tokenizer_config.json (atomically) only where it says true; an unreadable one is left for the
+    tokenizer's loading to report (one line, ModelLoadError)."""
     path = Path(folder) / "tokenizer_config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if config.get("clean_up_tokenization_spaces"):
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict) and config.get("clean_up_tokenization_spaces"):
         write_text_atomic(path, json.dumps(dict(config, clean_up_tokenization_spaces=False), indent=2,
                                            ensure_ascii=False) + "\n")
 

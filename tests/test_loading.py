@@ -226,6 +226,9 @@ def test_the_cached_default_model_decodes_plain_text(tmp_path, monkeypatch):
     (folder / "tokenizer_config.json").write_text(plain)
     models.default_target_path()
     assert (folder / "tokenizer_config.json").read_text() == plain
+    (folder / "tokenizer_config.json").write_text("{not json")  # left for the tokenizer's load to report
+    assert models.default_target_path() == folder
+    assert (folder / "tokenizer_config.json").read_text() == "{not json"
 
 
 def test_a_tokenizer_saved_with_clean_up_is_converted_to_plain_decoding(tmp_path):
