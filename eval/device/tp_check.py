@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from eval.device.profile_round import kernel_table, replay_ms  # noqa: E402
 from eval.random_models import (SHAPES, prompt_ids, randomize, write_head_folder, write_ids_tokenizer,  # noqa: E402
                                 write_target_folder)
 from fsd_eagle import parallel  # noqa: E402
@@ -40,6 +41,7 @@ from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
 TINY_TREE = dict(total_tokens=12, depth=3, top_k=3)
 BIG_TREE = dict(total_tokens=64, depth=6, top_k=8, draft_vocab=16384)  # the H100 preset of the shipped head
 TINY_PROMPTS = (list(range(3, 20)), list(range(40, 49)))
+LONG_PROMPT = range(1000, 1512)  # token ids of the timed decodes' prompt (512 tokens)
 TAU_FALLBACK = 3.35  # MT-bench tau of the shipped head, compiled rounds, H100 (eval/results/gpu_speed.json)
 
 
@@ -172,9 +174,16 @@ def timed(fn) -> float:
 
 
 def bench_target(target: Path, head: Path, tp_size: int, prompts: list[list[int]], max_new_tokens: int,
-                 rounds: int, compile: bool, device: str, batch: int = 1) -> dict:
-    """ms per round (one long decode after a 512-token prompt, in each of ``batch`` rows) and tokens/s over
-    ``prompts`` (``batch`` at a time) of AR and EAGLE-2 on one random-weight target folder."""
+                 rounds: int, compile: bool, device: str, batch: int = 1, kernels: bool = False) -> dict:
+    """Per method (AR, EAGLE-2) on one random-weight target folder: the cost of one round (a decode of
+    ``rounds`` rounds after a 512-token prompt, in each of ``batch`` rows), tokens/s over ``prompts``
+    (``batch`` at a time), and the captured round's GPU time replayed back to back.
+
+    ms_per_round: wall time of the decoding rounds after the prefill (the call's time less its time to the
+    first token, per round); ms_per_call_round: the whole call (512-token prefill included) per target
+    forward; replay_ms_per_round: GPU time of the captured round replayed back to back on every rank (the
+    difference to ms_per_round is host time between rounds); ``kernels``: rank 0's kernel table of one
+    replayed round (GEMMs, attention, all-reduces, the rest)."""
     t = time.perf_counter()
     gen = SpeculativeGenerator.load(target, head=head, device=device, dtype="bfloat16", tree=TreeConfig(**BIG_TREE),
                                     tp_size=tp_size, compile=compile)
@@ -182,7 +191,7 @@ def bench_target(target: Path, head: Path, tp_size: int, prompts: list[list[int]
     out = {"load_s": round(time.perf_counter() - t, 1), "tp_size": tp_size}
     if torch.cuda.is_available():
         out["gpu_mem_gb"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    long_prompt = list(range(1000, 1512))
+    long_prompt = list(LONG_PROMPT)
     for name, ar in (("ar", True), ("eagle2", False)):
         t = time.perf_counter()
         gen.generate([long_prompt] * batch, 8, autoregressive=ar, chat=False, batch_size=batch)  # capture
@@ -193,15 +202,24 @@ def bench_target(target: Path, head: Path, tp_size: int, prompts: list[list[int]
         seconds = timed(lambda: box.update(r=gen.generate([long_prompt] * batch, rounds + 1, autoregressive=ar,
                                                           chat=False, batch_size=batch)))
         r = max(box["r"], key=lambda x: x.stats.target_forwards)
+        s = r.stats
         results = []
         barrier()
         total = timed(lambda: results.extend(gen.generate(prompts, max_new_tokens, autoregressive=ar, chat=False,
                                                           batch_size=batch)))
         tokens = sum(x.stats.new_tokens for x in results)
         forwards = sum(x.stats.target_forwards for x in results)
-        out[name] = {"ms_per_round": round(1000 * seconds / r.stats.target_forwards, 3),
+        out[name] = {"ms_per_round": round(1000 * (s.elapsed_s - s.prefill_s) / max(1, s.target_forwards - 1), 3),
+                     "ms_per_call_round": round(1000 * seconds / s.target_forwards, 3),
                      "tokens_per_s": round(tokens / total, 2), "tau": round(tokens / forwards, 3),
-                     "mode": r.stats.mode, "attention": r.stats.attention, "warmup_s": round(warmup_s, 1)}
+                     "mode": s.mode, "attention": s.attention, "warmup_s": round(warmup_s, 1)}
+        session = gen.session(autoregressive=ar, batch=batch)  # the one these calls used
+        if session.graph is not None:
+            gen.generate([long_prompt] * batch, 1, autoregressive=ar, chat=False, batch_size=batch)  # fresh state
+            barrier()
+            out[name]["replay_ms_per_round"] = round(replay_ms(session.graph[0]), 3)
+            if kernels:
+                out[name]["kernels"] = kernel_table(session, top=12)
         log(f"  tp {tp_size} {name}: {out[name]}")
     release(gen)
     return out
@@ -235,7 +253,8 @@ def check_speed(work: Path, tp_size: int, prompts: list[str], a) -> dict:
         # tp 1: every rank loads a whole copy onto its own GPU at the same time (transformers' loading joins
         # collectives when a process group exists, so no rank may load alone); rank 0's numbers are reported.
         row = {"shape": shape, "batch": a.batch, **bench_target(*folders[shape], size, ids, a.max_new_tokens,
-                                                                a.rounds, a.compile, a.device, a.batch)}
+                                                                a.rounds, a.compile, a.device, a.batch,
+                                                                a.kernels)}
         project(row, tau)
         rows.append(row)
     out = {"rows": rows, "tau": tau, "tau_source": source, "tree": BIG_TREE}
@@ -244,6 +263,9 @@ def check_speed(work: Path, tp_size: int, prompts: list[str], a) -> dict:
     if one and many:
         out["llama3_8b_tp_over_tp1"] = {m: round(many[m]["ms_per_round"] / one[m]["ms_per_round"], 3)
                                         for m in ("ar", "eagle2")}
+        out["llama3_8b_tp_over_tp1_replay"] = {
+            m: round(many[m]["replay_ms_per_round"] / one[m]["replay_ms_per_round"], 3)
+            for m in ("ar", "eagle2") if "replay_ms_per_round" in one[m] and "replay_ms_per_round" in many[m]}
         out["goal_tp2_over_tp1_at_most"] = 0.65
     return out
 
@@ -261,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-exact", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-32b", action="store_true")
+    p.add_argument("--kernels", action="store_true", help="add a kernel table of one replayed round per method")
     p.add_argument("--batch", type=int, default=1, help="rows decoded together in the speed runs")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a gloo smoke run on a machine without CUDA)")
     p.add_argument("--code", help="the commit of the code run, recorded in the result (default: git's HEAD)")
