@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from fsd_eagle.config import SamplingConfig, TreeConfig
-from fsd_eagle.errors import ConfigError, FSDError
+from fsd_eagle.errors import OUT_OF_MEMORY_STATUS, ConfigError, FSDError, out_of_memory_line
 from fsd_eagle.jsonl import write_text_atomic
 
 
@@ -183,6 +183,16 @@ def run_table_command(a: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _out_of_memory(error: RuntimeError) -> int:
+    """One line and OUT_OF_MEMORY_STATUS for a device out of memory; any other error goes on up."""
+    line = out_of_memory_line(error, "use a smaller --batch-size or fewer processes on this device, then rerun "
+                                     "the same command (sweeps and batch runs continue where they stopped)")
+    if line is None:
+        raise error
+    print(f"error: {line}", file=sys.stderr)
+    return OUT_OF_MEMORY_STATUS
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -206,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        return _out_of_memory(e)
     if getattr(args, "workers", 1) < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -226,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: rerun the same command to continue", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        return _out_of_memory(e)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

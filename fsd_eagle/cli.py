@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FSDError, InputError
+from .errors import OUT_OF_MEMORY_STATUS, FSDError, InputError, out_of_memory_line
 from .jsonl import json_type, parse_object
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -460,6 +460,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        line = out_of_memory_line(e, "decode fewer prompts at a time (--batch-size), fewer --max-new-tokens, or "
+                                     "a smaller tree (--total-tokens)")
+        if line is None:
+            raise
+        if _reports():
+            print(f"error: {line}", file=sys.stderr)
+        return OUT_OF_MEMORY_STATUS
     except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

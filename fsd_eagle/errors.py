@@ -23,3 +23,23 @@ class HeadMismatchError(ModelLoadError):
 
 class BusyError(FSDError, RuntimeError):
     """A generator is asked for a second call while its own thread still runs one (an unfinished stream)."""
+
+
+#: Exit status of the command lines when the device ran out of memory (2: bad input, 130: interrupted).
+OUT_OF_MEMORY_STATUS = 3
+
+
+def out_of_memory_line(error: BaseException, advice: str) -> str | None:
+    """One line for ``error`` if it is torch's out-of-memory error (None otherwise): what ran out, from the
+    first sentences of torch's message (without its list of every process on the device), then ``advice``.
+    torch is not imported here: an error raised before torch was loaded is not torch's."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    kind = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if kind is None or not isinstance(error, kind):
+        return None
+    text = " ".join(str(error).split())
+    end = text.find(" is free.")
+    what = text[:end + len(" is free")] if end >= 0 else text.split(". ")[0].rstrip(".")
+    return f"out of device memory ({what}): {advice}"

@@ -13,7 +13,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    """training.cli's main; a Ctrl-C at any moment prints "interrupted" and returns 130."""
+    """training.cli's main; a Ctrl-C at any moment prints "interrupted" and returns 130, a device out of
+    memory one line and fsd_eagle.errors.OUT_OF_MEMORY_STATUS."""
     try:
         from .cli import main as cli_main
 
@@ -21,6 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        from fsd_eagle.errors import OUT_OF_MEMORY_STATUS, out_of_memory_line
+
+        line = out_of_memory_line(e, "train with fewer tokens per batch (the recipe's tokens_per_batch) or fewer "
+                                     "processes on this device, then rerun with --resume")
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return OUT_OF_MEMORY_STATUS
 
 
 if __name__ == "__main__":
