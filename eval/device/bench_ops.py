@@ -155,10 +155,49 @@ def bench_batch(heads: int, kv_heads: int, dim: int, slots: int) -> list[dict]:
     return rows
 
 
+def small_query_attention(q, k, v, mask, scale=None):
+    """Attention of few query rows by matmuls (the form a CUDA-graph round could use instead of one SDPA kernel
+    over the whole cache): packed queries ``[B, H_kv, g*n, d]``, keys/values ``[B, H_kv, S, d]``, additive mask
+    ``[B, 1, g*n, S]``; scores and softmax in float32, probabilities times values in the inputs' dtype."""
+    b, h, r, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale).add_(mask.float())
+    return torch.matmul(s.softmax(-1).to(v.dtype), v)
+
+
+def bench_decode(shapes: dict, slots_list=(768, 2048)) -> list[dict]:
+    """One layer's attention of a batch-1 round in an (uncompiled) CUDA graph, as graph rounds run it: SDPA
+    with the packed mask (``attention.attend``) against ``small_query_attention``, for AR (n = 1) and a 64-node
+    tree, the prefix filling all but the last 64 slots; each checked against float32 SDPA."""
+    from fsd_eagle.attention import attend
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for (name, (heads, kv_heads, dim)), slots, n in itertools.product(shapes.items(), slots_list, (1, 64)):
+        q = torch.randn(1, heads, n, dim, generator=gen).to("cuda", torch.bfloat16)
+        k = torch.randn(1, kv_heads, slots, dim, generator=gen).to("cuda", torch.bfloat16)
+        v = torch.randn_like(k)
+        anc = ((torch.rand(1, n, n, generator=gen) < 0.5).tril() | torch.eye(n, dtype=torch.bool)).cuda()
+        mask = SlotMask(torch.tensor([slots - 64], device="cuda"), anc, slots)
+        packed = prepare_mask(mask, "sdpa", torch.bfloat16, heads, kv_heads)
+        g = heads // kv_heads
+        want = attend(q.float(), k.float(), v.float(), prepare_mask(mask, "sdpa", torch.float32, heads, kv_heads))
+        qp = q.reshape(1, kv_heads, g * n, dim)
+        forms = {"sdpa_packed": lambda: attend(q, k, v, packed),
+                 "matmul_softmax": lambda: small_query_attention(qp, k, v, packed).reshape(1, heads, n, dim)}
+        for form, fn in forms.items():
+            err = round(float((fn().float() - want).abs().max()), 5)
+            rows.append({"op": "decode_attention", "shape": name, "heads": f"{heads}/{kv_heads}x{dim}",
+                         "q_rows": n, "slots": slots, "form": form, "us": graph_us(fn, 20),
+                         "max_abs_diff_vs_fp32": err})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--skip", default="", help="comma list of sections to skip: topk,flex,batch")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: topk,flex,batch,decode")
     a = p.parse_args()
     skip = set(a.skip.split(","))
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
@@ -168,6 +207,8 @@ def main() -> None:
         out["rows"] += bench_flex(9, 3, 64, 2048, 500)
     if "batch" not in skip:
         out["rows"] += bench_batch(9, 3, 64, 2048)
+    if "decode" not in skip:
+        out["rows"] += bench_decode({"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)})
     write_text_atomic(a.out, json.dumps(out, indent=1))
 
 
