@@ -167,9 +167,16 @@ def small_query_attention(q, k, v, mask, scale=None):
 
 def bench_decode(shapes: dict, slots_list=(768, 2048)) -> list[dict]:
     """One layer's attention of a batch-1 round in an (uncompiled) CUDA graph, as graph rounds run it: SDPA
-    with the packed mask (``attention.attend``) against ``small_query_attention``, for AR (n = 1) and a 64-node
-    tree, the prefix filling all but the last 64 slots; each checked against float32 SDPA."""
-    from fsd_eagle.attention import attend
+    with the packed mask (``attention.attend``; the kernel SDPA picks, and with cuDNN's excluded) against
+    ``small_query_attention``, for AR (n = 1) and a 64-node tree, the prefix filling all but the last 64
+    slots; each checked against float32 SDPA."""
+    from fsd_eagle.attention import attend, no_cudnn
+
+    def without_cudnn(fn):
+        def run():
+            with no_cudnn():
+                return fn()
+        return run
 
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -184,6 +191,7 @@ def bench_decode(shapes: dict, slots_list=(768, 2048)) -> list[dict]:
         want = attend(q.float(), k.float(), v.float(), prepare_mask(mask, "sdpa", torch.float32, heads, kv_heads))
         qp = q.reshape(1, kv_heads, g * n, dim)
         forms = {"sdpa_packed": lambda: attend(q, k, v, packed),
+                 "sdpa_packed_no_cudnn": without_cudnn(lambda: attend(q, k, v, packed)),
                  "matmul_softmax": lambda: small_query_attention(qp, k, v, packed).reshape(1, heads, n, dim)}
         for form, fn in forms.items():
             err = round(float((fn().float() - want).abs().max()), 5)
