@@ -18,13 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit(short: bool = False) -> str | None:
-    """The checkout's HEAD commit (abbreviated with ``short``), or None outside a git checkout."""
+    """The checkout's HEAD commit (abbreviated with ``short``); outside a git checkout, the commit named by a
+    ``COMMIT`` file at the top of the code (a GPU host's copy of the code, eval/device/job.sh), else None."""
     cmd = ["git", "-C", str(ROOT), "rev-parse", *(["--short"] if short else []), "HEAD"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        named = (ROOT / "COMMIT").read_text(encoding="utf-8").strip().split()
+    except OSError:
         return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+    return named[0] if named else None
 
 
 def dist_version(name: str) -> str | None:

@@ -465,3 +465,32 @@ def test_head_script_shrinks_the_training_budget_to_a_deadline(tmp_path):
     arms = [c for c in (later / "calls").read_text().splitlines()
             if c.startswith("-m training run") and "--stage distill" not in c]
     assert len(arms) == 1 and "--time-budget 900 " in arms[0] + " "  # the budget fits before the deadline
+
+
+def test_code_copies_name_their_commit(tmp_path, monkeypatch):
+    """A host's copy of the code has no git metadata: copy_code writes CODE into its COMMIT file (none without
+    CODE), and eval/runinfo.git_commit reads it there, so that sweeps and benchmarks run from the copy record
+    the commit they ran."""
+    work = tmp_path / "work"
+    (work / "eval" / "device").mkdir(parents=True)
+    (work / "eval" / "device" / "job.sh").write_text((ROOT / "eval" / "device" / "job.sh").read_text())
+    (work / "a.txt").write_text("x")
+    script = 'source eval/device/job.sh; copy_code'
+    for code, res in (("abc1234", tmp_path / "with"), ("", tmp_path / "without")):
+        subprocess.run(["bash", "-c", script], cwd=work, check=True,
+                       env={**os.environ, "RES": str(res), "CODE": code})
+        assert (res / "code" / "a.txt").read_text() == "x"
+    assert (tmp_path / "with" / "code" / "COMMIT").read_text() == "abc1234\n"
+    assert not (tmp_path / "without" / "code" / "COMMIT").exists()
+
+    sys.path.insert(0, str(ROOT))
+    from eval import runinfo
+
+    monkeypatch.setattr(runinfo, "ROOT", tmp_path / "with" / "code")  # not inside a git checkout
+    assert runinfo.git_commit() == "abc1234"
+    monkeypatch.setattr(runinfo, "ROOT", tmp_path / "without" / "code")
+    assert runinfo.git_commit() is None
+    monkeypatch.setattr(runinfo, "ROOT", ROOT)  # a checkout: git's answer
+    if (ROOT / ".git").exists():
+        assert runinfo.git_commit(short=True) == subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

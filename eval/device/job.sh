@@ -11,11 +11,14 @@ running() { local j; j=$(job_dir); [ -f "$j/pid" ] && kill -0 "$(cat "$j/pid")" 
 needs_start() { ! running && ! [ "$(cat "$(job_dir)/rc" 2> /dev/null)" = 0 ]; }
 
 # A fresh copy of the code under $JOB/code (each command replaces the working tree), without the pieces.
+# The copy has no git metadata: with CODE=<commit> it gets a COMMIT file, which eval/runinfo.git_commit reads
+# in place of git, so that result files name the code they ran.
 copy_code() {
   local j; j=$(job_dir)
   rm -rf "$j/code" "$j/rc"
   mkdir -p "$j/code"
   tar --exclude=./.git --exclude='./.carry*' -cf - . | tar -xf - -C "$j/code"
+  if [ -n "${CODE:-}" ]; then echo "$CODE" > "$j/code/COMMIT"; fi
 }
 
 # Wait up to $WAIT seconds for the job to end, then say how it stands ($1: what to call it).
