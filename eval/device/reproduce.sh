@@ -3,7 +3,8 @@
 # model -> sweeps -> speed -> tables; docs/reproduction.md) on a GPU host without network access, where each
 # command runs at most 600 s and brings one piece of the model bundle (docs/gpu-host.md). Run the same command
 # line every time:
-#   PARTS=3 SHA=<sha256 of the tar> bash eval/device/reproduce.sh
+#   PARTS=3 SHA=<sha256 of the tar> CODE=<local commit> bash eval/device/reproduce.sh
+# (CODE: the commit the result files record; the host's copy of the code has no git metadata.)
 # Each command moves its piece into place (eval/device/assemble.sh); once the default model is installed, the
 # first command starts the stages as one background process (from a copy of the code under $RES/code, since
 # each command replaces the working tree), and every command then waits up to $WAIT seconds (default 540, or
