@@ -391,7 +391,7 @@ def test_tune_end_to_end_replay_equals_real_decoding(tiny_llama):
     prompts = [[5, 17, 99, 3, 42, 64, 8], [7, 7, 30, 101, 12], [90, 4, 56, 23, 11, 70]]
     grid = tune.candidate_grid((4, 8), (1, 2, 3), (1, 2))
     entry = tune.tune(gen, prompts, grid, max_new_tokens=14, validate=3, finalists=2, prune_after=1,
-                      keep_frac=0.5, repeats=1, warmup=0, log=lambda msg: None)
+                      keep_frac=0.5, repeats=1, warmup=0, log=lambda msg: None, replay_table=True)
     chosen = TreeConfig(**entry["tree"])
     assert chosen in grid
     m = entry["measured"]
@@ -403,6 +403,11 @@ def test_tune_end_to_end_replay_equals_real_decoding(tiny_llama):
     assert rows["ar"]["tau"] == 1.0 and m["tau"] == rows[chosen.label]["tau"]
     assert m["replay"]["trees"] == len(grid) and m["replay"]["kept_to_the_end"] >= 2
     assert set(m["costs_ms"]["draft_step_by_top_k"]) == {"1", "2"}
+    table = m["replay"]["tau_by_tree"]  # every tree replayed to the end, highest tau first
+    assert len(table) == m["replay"]["kept_to_the_end"] and list(table.values()) == sorted(table.values(), reverse=True)
+    for name, row in rows.items():
+        if "replay_tau" in row:
+            assert table[name] == pytest.approx(row["replay_tau"], abs=1e-3), name
 
 
 def test_tune_shortlist_measures_every_tree_and_picks_the_fastest(tiny_llama):

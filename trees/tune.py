@@ -498,9 +498,13 @@ def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig
 
 def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, max_new_tokens: int = 64,
          validate: int = 4, finalists: int = 3, prune_after: int = 2, keep_frac: float = 0.8, repeats: int = 3,
-         warmup: int = 1, cost_prefix: Sequence[int] | None = None, log: Callable[[str], None] = _log) -> dict:
+         warmup: int = 1, cost_prefix: Sequence[int] | None = None, log: Callable[[str], None] = _log,
+         replay_table: bool = False) -> dict:
     """Measure, model and validate (module doc); returns the preset entry {"tree": ..., "measured": ...}
-    ("measured" without the run's description: date, device, command; the caller adds them)."""
+    ("measured" without the run's description: date, device, command; the caller adds them). With
+    ``replay_table``, the entry's "replay" also holds every tree replayed to the end with its replayed tau
+    ("tau_by_tree", highest first): acceptance does not depend on the device, so a CPU replay can choose the
+    shortlist that a GPU then decodes for real (``--trees``)."""
     start = time.perf_counter()
     tuner = Tuner(gen, log)
     configs = list(dict.fromkeys(configs))
@@ -578,6 +582,9 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
             "trees": len(configs), "kept_to_the_end": len(complete),
             "top": [{"tree": c.label, "tau": round(table[c][0], 3), "predicted_tokens_per_s": round(table[c][1], 3)}
                     for c in ranked[:12]],
+            **({"tau_by_tree": {c.label: round(table[c][0], 3)
+                                for c in sorted(complete, key=lambda c: table[c][0], reverse=True)}}
+               if replay_table else {}),
         },
         "costs_ms": costs.to_ms(),
         "seconds": round(time.perf_counter() - start, 1),
@@ -809,6 +816,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--finalists", type=int, default=3)
     p.add_argument("--prune-after", type=int, default=2, help="prompts replayed with the whole grid")
     p.add_argument("--keep", type=float, default=0.8, help="keep drafting trees predicted >= this x the best")
+    p.add_argument("--replay-table", action="store_true",
+                   help="record every replayed tree's tau in the entry (with --keep 0: the whole grid), e.g. to "
+                        "choose a GPU shortlist for --trees from a CPU replay")
     p.add_argument("--totals", type=_ints, default=GRID_TOTALS)
     p.add_argument("--depths", type=_ints, default=GRID_DEPTHS)
     p.add_argument("--top-ks", type=_ints, default=GRID_TOP_KS)
@@ -898,7 +908,8 @@ def main(argv: list[str] | None = None) -> int:
             configs = candidate_grid(a.totals, a.depths, a.top_ks)
             _log(f"{name} on {a.device} ({threads} thread(s)): {len(configs)} trees, {single} prompts")
             entry = tune(gen, prompts[:single], configs, max_new_tokens=a.max_new_tokens, validate=a.validate,
-                         finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats)
+                         finalists=a.finalists, prune_after=a.prune_after, keep_frac=a.keep, repeats=a.repeats,
+                         replay_table=a.replay_table)
             grid = {"grid": {"total_tokens": list(a.totals), "depth": list(a.depths), "top_k": list(a.top_ks)}}
         entries[1] = described(entry, [src for src, _ in texts[:single]], grid)
         save(1, entries[1])
