@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from fsd_eagle.config import SamplingConfig, TreeConfig
-from fsd_eagle.errors import OUT_OF_MEMORY_STATUS, ConfigError, FSDError, out_of_memory_line
+from fsd_eagle.errors import ConfigError, FSDError, exit_out_of_memory
 from fsd_eagle.jsonl import write_text_atomic
 
 
@@ -184,13 +184,9 @@ def run_table_command(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _out_of_memory(error: RuntimeError) -> int:
-    """One line and OUT_OF_MEMORY_STATUS for a device out of memory; any other error goes on up."""
-    line = out_of_memory_line(error, "use a smaller --batch-size or fewer processes on this device, then rerun "
+    """One line and fsd_eagle.errors.OUT_OF_MEMORY_STATUS for a device out of memory; any other error goes on up."""
+    return exit_out_of_memory(error, "use a smaller --batch-size or fewer processes on this device, then rerun "
                                      "the same command (sweeps and batch runs continue where they stopped)")
-    if line is None:
-        raise error
-    print(f"error: {line}", file=sys.stderr)
-    return OUT_OF_MEMORY_STATUS
 
 
 def _interrupt(signum, frame):

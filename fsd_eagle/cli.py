@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import OUT_OF_MEMORY_STATUS, FSDError, InputError, out_of_memory_line
+from .errors import FSDError, InputError, exit_out_of_memory
 from .jsonl import json_type, parse_object
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -461,13 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except RuntimeError as e:
-        line = out_of_memory_line(e, "decode fewer prompts at a time (--batch-size), fewer --max-new-tokens, or "
-                                     "a smaller tree (--total-tokens)")
-        if line is None:
-            raise
-        if _reports():
-            print(f"error: {line}", file=sys.stderr)
-        return OUT_OF_MEMORY_STATUS
+        return exit_out_of_memory(e, "decode fewer prompts at a time (--batch-size), fewer --max-new-tokens, or "
+                                     "a smaller tree (--total-tokens)", _reports())
     except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

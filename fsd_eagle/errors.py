@@ -43,3 +43,16 @@ def out_of_memory_line(error: BaseException, advice: str) -> str | None:
     end = text.find(" is free.")
     what = text[:end + len(" is free")] if end >= 0 else text.split(". ")[0].rstrip(".")
     return f"out of device memory ({what}): {advice}"
+
+
+def exit_out_of_memory(error: RuntimeError, advice: str, report: bool = True) -> int:
+    """For a command line's handler: print ``error: <out_of_memory_line>`` (where this process ``report``s)
+    and return OUT_OF_MEMORY_STATUS if ``error`` is torch's out-of-memory error; raise it again otherwise."""
+    import sys
+
+    line = out_of_memory_line(error, advice)
+    if line is None:
+        raise error
+    if report:
+        print(f"error: {line}", file=sys.stderr)
+    return OUT_OF_MEMORY_STATUS

@@ -23,14 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except RuntimeError as e:
-        from fsd_eagle.errors import OUT_OF_MEMORY_STATUS, out_of_memory_line
+        from fsd_eagle.errors import exit_out_of_memory
 
-        line = out_of_memory_line(e, "train with fewer tokens per batch (the recipe's tokens_per_batch) or fewer "
+        return exit_out_of_memory(e, "train with fewer tokens per batch (the recipe's tokens_per_batch) or fewer "
                                      "processes on this device, then rerun with --resume")
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return OUT_OF_MEMORY_STATUS
 
 
 if __name__ == "__main__":

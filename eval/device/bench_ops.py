@@ -159,8 +159,7 @@ def small_query_attention(q, k, v, mask, scale=None):
     """Attention of few query rows by matmuls (the form a CUDA-graph round could use instead of one SDPA kernel
     over the whole cache): packed queries ``[B, H_kv, g*n, d]``, keys/values ``[B, H_kv, S, d]``, additive mask
     ``[B, 1, g*n, S]``; scores and softmax in float32, probabilities times values in the inputs' dtype."""
-    b, h, r, d = q.shape
-    scale = d ** -0.5 if scale is None else scale
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale).add_(mask.float())
     return torch.matmul(s.softmax(-1).to(v.dtype), v)
 
