@@ -12,7 +12,7 @@
 first batch size). Greedy EAGLE-2 is AR's output up to floating-point differences between shapes, so totals
 far apart point at a bug rather than at rounding. Runs on the CPU too (RES=<folder>).
 
-ATTENTION=sdpa or flex: the tree attention of compiled rounds in ``exact-compiled`` and ``lengths`` (default:
+HEAD=<folder>: that draft head instead of the default model's shipped one (every step). ATTENTION=sdpa or flex: the tree attention of compiled rounds in ``exact-compiled`` and ``lengths`` (default:
 the library's choice, ``SpeculativeGenerator.use_attention``); ``exact*`` log which prompts differ. DECODERS=ar
 or eagle2: ``exact*`` checks that one only (default both, EAGLE-2 first).
 
@@ -37,6 +37,7 @@ ATTENTION = os.environ.get("ATTENTION") or None  # compiled rounds' tree attenti
 DECODERS = os.environ.get("DECODERS", "eagle2,ar").split(",")  # what exact* checks
 if not DECODERS or set(DECODERS) - {"ar", "eagle2"}:
     sys.exit(f"DECODERS is a comma-separated subset of ar,eagle2; got {os.environ['DECODERS']!r}")
+HEAD = os.environ.get("HEAD") or None  # a draft head folder (None: the shipped head)
 os.makedirs(RES, exist_ok=True)
 
 
@@ -52,7 +53,7 @@ steps = sys.argv[1].split(",") if len(sys.argv) > 1 else ["exact", "speed"]
 for step in ("exact", "exact-compiled"):
     if step not in steps:
         continue
-    g = SpeculativeGenerator.load(dtype="float32", compile=step == "exact-compiled")
+    g = SpeculativeGenerator.load(head=HEAD, dtype="float32", compile=step == "exact-compiled")
     g.use_attention(ATTENTION)
     for ar in [name == "ar" for name in DECODERS]:
         t = time.perf_counter()
@@ -85,7 +86,7 @@ if "lengths" in steps:
     n = int(os.environ.get("PROMPTS", "480"))
     new = int(os.environ.get("NEW_TOKENS", "256"))
     chosen = load_prompts(480)[::max(1, 480 // n)][:n]
-    g = SpeculativeGenerator.load(compile=torch.cuda.is_available())
+    g = SpeculativeGenerator.load(head=HEAD, compile=torch.cuda.is_available())
     g.use_attention(ATTENTION)
     reference = None
     for bs in [int(b) for b in os.environ.get("BATCHES", "8").split(",")]:
@@ -101,14 +102,14 @@ if "lengths" in steps:
     del g
 
 if "graph" in steps:
-    g = SpeculativeGenerator.load()
+    g = SpeculativeGenerator.load(head=HEAD)
     for bs in (1, 8, 32):
         for ar in (True, False):
             measure(g, ar, bs, "graph")
         g.release()
     del g
 if "speed" in steps:
-    g = SpeculativeGenerator.load(compile=True)
+    g = SpeculativeGenerator.load(head=HEAD, compile=True)
     order = [(1, False), (1, True), (8, True), (8, False), (32, True), (32, False)]
     for bs, ar in order:
         if f"b{bs}" not in steps:

@@ -3,6 +3,7 @@ the same tokens as eager rounds, greedy and sampling (same seed); how long a rou
 long compilation takes).
 
     python eval/device/check_graphs.py            # the default model and its shipped head
+    python eval/device/check_graphs.py --head DIR # the default model with another head (e.g. an EAGLE-3 one)
     python eval/device/check_graphs.py --tiny     # a small random Llama and head (no model files needed)
     python eval/device/check_graphs.py --tiny --attention flex     # another tree-attention backend
     python eval/device/check_graphs.py --target "$(python -m fsd_eagle.gemma3)" --random-head \
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a small random Llama and head")
     ap.add_argument("--target", help="target folder (default: the default model)")
+    ap.add_argument("--head", help="draft head folder (default: the target's shipped head)")
     ap.add_argument("--random-head", action="store_true", help="a random head of the target's shape")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention", help="tree-attention backend")
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         gen = tiny_generator(dtype=getattr(torch, args.dtype))
     else:
-        gen = SpeculativeGenerator.load(target=args.target, device="cuda", dtype=args.dtype,
+        gen = SpeculativeGenerator.load(target=args.target, head=args.head, device="cuda", dtype=args.dtype,
                                         random_head=args.random_head)
     if args.attention:
         gen.use_attention(args.attention)
