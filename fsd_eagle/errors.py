@@ -1,5 +1,7 @@
 """Exception types. Every user-facing failure raises a subclass of FSDError with one readable line."""
 
+import sys
+
 
 class FSDError(Exception):
     """Base class of every error fsd-eagle raises on purpose."""
@@ -48,8 +50,6 @@ def out_of_memory_line(error: BaseException, advice: str) -> str | None:
 def exit_out_of_memory(error: RuntimeError, advice: str, report: bool = True) -> int:
     """For a command line's handler: print ``error: <out_of_memory_line>`` (where this process ``report``s)
     and return OUT_OF_MEMORY_STATUS if ``error`` is torch's out-of-memory error; raise it again otherwise."""
-    import sys
-
     line = out_of_memory_line(error, advice)
     if line is None:
         raise error

@@ -12,9 +12,10 @@
 first batch size). Greedy EAGLE-2 is AR's output up to floating-point differences between shapes, so totals
 far apart point at a bug rather than at rounding. Runs on the CPU too (RES=<folder>).
 
-HEAD=<folder>: that draft head instead of the default model's shipped one (every step). ATTENTION=sdpa or flex: the tree attention of compiled rounds in ``exact-compiled`` and ``lengths`` (default:
-the library's choice, ``SpeculativeGenerator.use_attention``); ``exact*`` log which prompts differ. DECODERS=ar
-or eagle2: ``exact*`` checks that one only (default both, EAGLE-2 first).
+HEAD=<folder>: that draft head instead of the default model's shipped one (every step). ATTENTION=sdpa or
+flex: the tree attention of compiled rounds in ``exact-compiled`` and ``lengths`` (default: the library's
+choice, ``SpeculativeGenerator.use_attention``); ``exact*`` log which prompts differ. DECODERS=ar or eagle2:
+``exact*`` checks that one only (default both, EAGLE-2 first).
 
 Each configuration is warmed up on every prompt (a 4-token pass: every prefill bucket captured, the round
 compiled) before the timed pass; results are appended to $RES/check.jsonl (default /root/res). The full
