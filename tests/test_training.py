@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import training.cli
 import training.distill
 from training.distill import sample_id
 import training.train
@@ -361,6 +362,46 @@ def test_sampled_distillation_settings_are_checked_and_recorded(llama, tmp_path,
     with gzip.open(sampled / "distilled.jsonl.gz", "rt") as f:
         ids = [json.loads(line)["id"] for line in f]
     assert len(ids) == 2 * RECIPE["distill_count"] and len(set(ids)) == len(ids)
+
+
+def _stats(out: str, key: str) -> dict:
+    """The JSON line of main()'s stdout that holds ``key``."""
+    return next(json.loads(line) for line in out.splitlines() if line.startswith("{") and key in json.loads(line))
+
+
+def test_extra_distilled_answers_join_the_training_set(llama, tmp_path, capsys):
+    """--extra-distilled: an earlier run's answers are trained on beside this run's (sampled beside greedy);
+    the same answer twice counts once; held-out conversations' answers (a sampled one's id is <id>#<s>) are
+    left out; a file of original answers, and answers "original" with extra ones, are refused."""
+    greedy = tmp_path / "greedy"
+    assert main(llama.argv(greedy, "--stage", "distill")) == 0
+    cache = greedy / "distilled.jsonl.gz"
+    made = list(read_conversations(cache))
+    capsys.readouterr()
+    sampled = tmp_path / "sampled"
+    assert main(llama.argv(sampled, "--stage", "distill", "--distill-temperature", 0.7, "--extra-distilled", cache)) == 0
+    assert _stats(capsys.readouterr().out, "distilled") == {"distilled": len(made), "extra_distilled": len(made),
+                                                             "distill_s": pytest.approx(0, abs=60)}
+    assert main(llama.argv(tmp_path / "again", "--stage", "distill", "--extra-distilled", cache)) == 0
+    assert _stats(capsys.readouterr().out, "distilled")["extra_distilled"] == 0  # the same greedy answers
+    held = next(f"h{i}" for i in range(1000) if training.cli._is_val(f"h{i}", RECIPE["val_fraction"]))
+    kept = next(f"k{i}" for i in range(1000) if not training.cli._is_val(f"k{i}", RECIPE["val_fraction"]))
+    answer = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c"}]
+    extra = tmp_path / "extra.jsonl.gz"
+    write_conversations([Conversation(i, 0, "distill:test", answer[:1] + [{"role": "assistant", "content": i}])
+                         for i in (held, f"{held}#1", kept, f"{kept}#1")], extra)
+    out = tmp_path / "train"
+    assert main(llama.argv(out, "--epochs", 1, "--extra-distilled", extra)) == 0
+    stats = _stats(capsys.readouterr().out, "conversations")
+    assert stats["extra_distilled"] == 2
+    assert json.loads((out / "run.json").read_text())["data"][-1]["sha256"] == hashlib.sha256(extra.read_bytes()).hexdigest()
+    assert main(llama.argv(tmp_path / "bad", "--extra-distilled", llama.data)) == 2
+    assert "is not the target's answer" in _one_line_error(capsys)
+    assert main(llama.argv(tmp_path / "orig", "--extra-distilled", extra, "--answers", "original")) == 2
+    assert "answers \"original\" leaves out" in _one_line_error(capsys)
+    assert main(llama.argv(tmp_path / "missing", "--extra-distilled", tmp_path / "none.jsonl.gz")) == 2
+    _one_line_error(capsys)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "missing").exists()  # refused before any work
 
 
 def test_a_distilled_cache_of_other_settings_is_refused(llama, tmp_path, capsys):

@@ -155,6 +155,37 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     return distilled
 
 
+def read_extra_distilled(paths: list[str]) -> list:
+    """The conversations of ``extra_distilled`` files, each checked to be the target's answers (a run
+    folder's ``distilled.jsonl.gz``: every source "distill:..."), with a one-line error otherwise."""
+    convs = []
+    for path in paths:
+        found = list(read_conversations(Path(path)))
+        if not found:
+            raise InputError(f"extra distilled answers {path} hold no conversation")
+        other = next((c for c in found if not c.source.startswith("distill:")), None)
+        if other is not None:
+            raise InputError(f"extra distilled answers {path}: conversation {other.id} is not the target's answer "
+                             f"(source {other.source!r}); give a run folder's distilled.jsonl.gz")
+        convs += found
+    return convs
+
+
+def add_extra_distilled(distilled: list, extra: list, val_fraction: float) -> tuple[list, int]:
+    """``distilled`` followed by the ``extra`` answers that are neither held out (by their conversation's
+    id: a sampled answer's id is ``<id>#<s>``) nor already present with the same messages; returns them
+    and how many extra answers were added."""
+    seen = {json.dumps(c.messages, sort_keys=True) for c in distilled}
+    added = []
+    for c in extra:
+        key = json.dumps(c.messages, sort_keys=True)
+        if _is_val(c.id.split("#")[0], val_fraction) or key in seen:
+            continue
+        seen.add(key)
+        added.append(c)
+    return distilled + added, len(added)
+
+
 def recipe_of(args: argparse.Namespace) -> Recipe:
     """The recipe file with the command line's values over it, every value checked (before any work)."""
     recipe = Recipe.load(args.recipe)
@@ -170,6 +201,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     check_threads(args.threads)
     if args.data:
         recipe.data = args.data
+    if args.extra_distilled:
+        recipe.extra_distilled = args.extra_distilled
     recipe.validate(f"recipe {args.recipe}")
     if not recipe.data:
         raise InputError("no training data: give --data FILE (from 'python -m training data prepare') or set it in the recipe")
@@ -213,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     convs = [c for path in recipe.data for c in read_conversations(Path(path))]
     if not convs:
         raise InputError("the training data holds no conversation")
+    extra = read_extra_distilled(recipe.extra_distilled)
     ranks, device = join(resolve_device(args.device))  # several processes under torchrun: data parallel
     set_threads(args.threads, device)
     note(f"loading the target ({recipe.target or 'the default SmolLM2-135M-Instruct'}) on {device}"
@@ -236,24 +270,28 @@ def run(args: argparse.Namespace) -> int:
     barrier(ranks)
     started = {}  # what an interrupted run can still export (filled once training starts)
     try:
-        status = _run(args, recipe, out, convs, device, model, tokenizer, head, tok_dir, started, ranks)
+        status = _run(args, recipe, out, convs, extra, device, model, tokenizer, head, tok_dir, started, ranks)
     except KeyboardInterrupt:
         return interrupted(out, recipe, head, started) if ranks.is_main else 130
     leave(ranks)
     return status
 
 
-def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, model, tokenizer, head: EagleHead,
-         tok_dir: str, started: dict, ranks: Ranks = Ranks()) -> int:
+def _run(args, recipe: Recipe, out: Path, convs: list, extra: list, device: torch.device, model, tokenizer,
+         head: EagleHead, tok_dir: str, started: dict, ranks: Ranks = Ranks()) -> int:
     val = [c for c in convs if _is_val(c.id, recipe.val_fraction)]
     train_convs = [c for c in convs if not _is_val(c.id, recipe.val_fraction)]
     timings = {}
-    if recipe.distill:
-        distilled = distilled_answers(out, recipe, model, tokenizer, train_convs, timings, ranks)
+    distilled = distilled_answers(out, recipe, model, tokenizer, train_convs, timings, ranks) if recipe.distill else []
+    made = len(distilled)
+    counts = {}
+    if extra:
+        distilled, counts["extra_distilled"] = add_extra_distilled(distilled, extra, recipe.val_fraction)
+    if recipe.distill or extra:
         train_convs = {"both": train_convs + distilled, "distilled": distilled, "original": train_convs}[recipe.answers]
     if args.stage == "distill":
         if ranks.is_main:
-            print(json.dumps({"distilled": len(distilled) if recipe.distill else 0, **timings}))
+            print(json.dumps({"distilled": made, **counts, **timings}))
         return 0
     t = time.perf_counter()
     examples = tokenize_all(tokenizer, tok_dir, train_convs, recipe.max_len, args.workers)
@@ -262,8 +300,8 @@ def _run(args, recipe: Recipe, out: Path, convs: list, device: torch.device, mod
     if head.config.eagle3 and not recipe.init:  # a warm start keeps its head's draft vocabulary
         head.set_draft_vocab(rank_tokens(examples, head.config.vocab_size))
     if ranks.is_main:
-        print(json.dumps({"conversations": len(train_convs), "examples": len(examples), "loss_tokens": n_tokens,
-                          "val_prompts": len(val), **timings}), flush=True)
+        print(json.dumps({"conversations": len(train_convs), **counts, "examples": len(examples),
+                          "loss_tokens": n_tokens, "val_prompts": len(val), **timings}), flush=True)
     target = Target(model)
     head = head.to(device)
     val_prompts = [c.messages[: next(i for i, m in enumerate(c.messages) if m["role"] == "user") + 1]
@@ -388,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample the target's answers at this temperature (0: greedy; default: the recipe's)")
     r.add_argument("--distill-samples", type=int,
                    help="answers per conversation, sampled (needs --distill-temperature > 0; default: the recipe's)")
+    r.add_argument("--extra-distilled", action="append", metavar="FILE",
+                   help="the target's answers from an earlier run (its distilled.jsonl.gz), trained on beside this "
+                        "run's own distilled answers (repeatable; overrides the recipe)")
     r.add_argument("--answers", choices=("both", "distilled", "original"),
                    help="train on the original answers, the target's own (distilled) ones, or both")
     r.add_argument("--stage", choices=("distill", "all"), default="all")

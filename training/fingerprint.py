@@ -20,11 +20,12 @@ FINGERPRINT_FILE = "run.json"
 SEED_FILES = frozenset({"distilled.jsonl.gz", "distilled.json"})
 
 # Recipe values a resumed call may change: how long to train (a resume may extend a run), how often to save,
-# how validation is measured, and the distillation settings (checked against the cached answers by
+# how validation is measured, the data files' paths (their contents are compared, under "data"), and the
+# distillation settings (checked against the cached answers by
 # check_distilled, which lets a resume extend them to more turns).
 RESUMABLE = frozenset({"epochs", "max_steps", "checkpoint_every", "val_prompts", "val_new_tokens", "distill_count",
                        "distill_batch", "distill_prompt_tokens", "distill_new_tokens", "distill_turns", "target",
-                       "data"})
+                       "data", "extra_distilled"})
 
 
 def file_sha256(path: Path) -> str:
@@ -55,7 +56,7 @@ def target_fingerprint(folder: Path) -> dict:
 
 
 def run_fingerprint(recipe: Recipe, target_dir: Path) -> dict:
-    data = [{"path": str(p), "sha256": file_sha256(Path(p))} for p in recipe.data]
+    data = [{"path": str(p), "sha256": file_sha256(Path(p))} for p in [*recipe.data, *recipe.extra_distilled]]
     values = {k: v for k, v in recipe.to_dict().items() if k not in RESUMABLE}
     return {"target": target_fingerprint(target_dir), "recipe": json.loads(json.dumps(values)), "data": data}
 

@@ -15,7 +15,9 @@ class Recipe:
     """target: local model folder (None = the default SmolLM2-135M-Instruct). data: conversation files
     (jsonl/jsonl.gz from ``python -m training.data prepare``). distill: regenerate the first
     ``distill_turns`` assistant turns of ``distill_count`` conversations with the target (greedy, or
-    ``distill_samples`` answers sampled at ``distill_temperature``) and train on both answers."""
+    ``distill_samples`` answers sampled at ``distill_temperature``) and train on both answers.
+    extra_distilled: the target's answers made by earlier runs (their ``distilled.jsonl.gz``), trained on as
+    distilled answers beside this run's own, e.g. greedy answers beside sampled ones."""
 
     target: str | None = None
     init: str | None = None  # a head folder to start from (warm start: its weights; a fresh optimizer and schedule)
@@ -29,6 +31,7 @@ class Recipe:
     distill_turns: int = 1  # regenerate the first N assistant turns, each after the target's own earlier answers
     distill_temperature: float = 0.0  # 0 = the target's greedy answers; above 0 = sampled at this temperature
     distill_samples: int = 1  # answers per conversation (more than 1 needs distill_temperature > 0)
+    extra_distilled: list[str] = field(default_factory=list)  # earlier runs' distilled.jsonl.gz, trained on too
     max_len: int = 1024
     tokens_per_batch: int = 16384
     epochs: int = 6
@@ -93,6 +96,8 @@ class Recipe:
         if self.distill_samples > 1 and self.distill_temperature == 0:
             raise InputError(f"{where}: distill_samples {self.distill_samples} needs distill_temperature > 0 "
                              "(greedy answers would all be the same)")
+        if self.extra_distilled and self.answers == "original":
+            raise InputError(f"{where}: extra_distilled holds distilled answers, which answers \"original\" leaves out")
         if self.arch == "eagle2" and self.feature_weight == 0 and self.ce_weight == 0:
             raise InputError(f"{where}: feature_weight and ce_weight are both 0 (nothing to learn)")
 
@@ -149,7 +154,7 @@ def field_problem(name: str, value) -> str | None:
         return f"must be true or false, got {value!r}"
     elif name in ("target", "init") and value is not None and not isinstance(value, str):
         return f"must be a string or null, got {value!r}"
-    elif name == "data" and not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+    elif name in ("data", "extra_distilled") and not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
         return f"must be a list of strings, got {value!r}"
     return None
 
