@@ -188,7 +188,8 @@ class SpeculativeGenerator:
         together use the preset of their batch size (smaller trees, or plain autoregressive decoding, where
         the tuner measured them faster), with the same overrides; with any override given, a batch never
         switches to autoregressive decoding. A preset's draft vocabulary applies only to a drafter with a
-        token ranking (the shipped head has one), not to an EAGLE-3 head (it drafts over its own vocabulary);
+        token ranking (an EAGLE-2-style head trained here has one), not to an EAGLE-3 head such as the default
+        model's shipped head (it drafts over its own vocabulary);
         ``draft_vocab`` = 0 drafts among all tokens."""
         overrides = dict(total_tokens=total_tokens, depth=depth, top_k=top_k, draft_vocab=draft_vocab)
         tree = self._preset_tree(1, overrides)[0]
