@@ -9,6 +9,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -416,7 +417,8 @@ def test_tune_shortlist_measures_every_tree_and_picks_the_fastest(tiny_llama):
     gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=tiny_llama)  # self-draft: all accepted
     prompts = [[5, 17, 99, 3, 42, 64, 8], [7, 7, 30, 101, 12]]
     trees = [TreeConfig(3, 2, 1), TreeConfig(5, 4, 1)]
-    entry = tune.tune_shortlist(gen, prompts, trees, max_new_tokens=12, log=lambda msg: None)
+    logged = []
+    entry = tune.tune_shortlist(gen, prompts, trees, max_new_tokens=12, log=logged.append)
     m = entry["measured"]
     rows = {r["tree"]: r for r in m["finalists"]}
     assert set(rows) == {"ar", "3/2/1", "5/4/1", "60/6/10"}
@@ -424,6 +426,12 @@ def test_tune_shortlist_measures_every_tree_and_picks_the_fastest(tiny_llama):
     drafting = {k: v for k, v in rows.items() if k != "ar"}
     best = max(drafting, key=lambda k: drafting[k]["steady_tokens_per_s"])
     assert TreeConfig(**entry["tree"]).label == best and m["tau"] == rows[best]["tau"]
+    # after each prompt, every tree's figures so far (the last line: all prompts, as in the entry)
+    progress = [line for line in logged if line.startswith("measured prompt")]
+    assert [line.split(":")[0] for line in progress] == ["measured prompt 1/2", "measured prompt 2/2"]
+    tau, speedup = re.search(r"5/4/1 tau ([\d.]+) x([\d.]+)", progress[-1]).groups()
+    assert abs(float(tau) - rows["5/4/1"]["tau"]) <= 0.006  # the entry keeps 3 decimals, the log 2
+    assert abs(float(speedup) - rows["5/4/1"]["speedup_vs_ar"]) <= 0.006
 
 
 def test_trees_argument():

@@ -428,12 +428,20 @@ def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[
                   log: Callable[[str], None] = _log) -> tuple[dict[TreeConfig, list["Run"]], list[dict]]:
     """Decode every prompt with every tree of ``trial`` (AR first in it), back to back per prompt and in
     rotating order, so that load from other processes hits all alike. Returns the runs and one row per
-    tree: tau, tokens/s, steady tokens/s (rounds at their median time), median speedup over AR."""
+    tree: tau, tokens/s, steady tokens/s (rounds at their median time), median speedup over AR. After each
+    prompt the log gets every tree's figures so far (what a run stopped midway still tells)."""
     measured: dict[TreeConfig, list[Run]] = {c: [] for c in trial}
     for i, prompt in enumerate(prompts):
         for cfg in rotated(trial, i):
             measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens))
-        log(f"measured prompt {i + 1}/{len(prompts)}")
+        so_far = ", ".join(f"{r['tree'].label} tau {r['tau']:.2f} x{r['speedup_vs_ar']:.2f}"
+                           for r in summarize_runs(measured, trial))
+        log(f"measured prompt {i + 1}/{len(prompts)}: {so_far}")
+    return measured, summarize_runs(measured, trial)
+
+
+def summarize_runs(measured: dict[TreeConfig, list["Run"]], trial: Sequence[TreeConfig]) -> list[dict]:
+    """One row per tree of ``trial`` over the prompts measured so far (see ``measure_trees``)."""
     rows = []
     for cfg in trial:
         done, ar = measured[cfg], measured[AR]
@@ -443,7 +451,7 @@ def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[
                      "steady_tokens_per_s": new / sum(r.steady_s for r in done),
                      "speedup_vs_ar": statistics.median(len(r.tokens) / r.steady_s / (len(a.tokens) / a.steady_s)
                                                         for r, a in zip(done, ar))})
-    return measured, rows
+    return rows
 
 
 def row_json(row: dict) -> dict:
