@@ -1099,6 +1099,11 @@ def test_data_parallel_self_distillation_is_shared(llama, tmp_path):
     made = [(c.id, c.messages) for c in read_conversations(two / "distilled.jsonl.gz")]
     assert made == [(c.id, c.messages) for c in read_conversations(one / "distilled.jsonl.gz")] and len(made) == 7
     assert (two / "distilled.json").read_text() == (one / "distilled.json").read_text()
+    # sampled answers made by both processes, the greedy ones added from the first run's file
+    r = _torchrun(llama.argv(tmp_path / "three", "--stage", "distill", "--distill-temperature", 0.7,
+                             "--extra-distilled", one / "distilled.jsonl.gz", recipe=recipe))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count('"distilled": 7, "extra_distilled": 7') == 1
 
 
 def _average_rank(rank: int, port: int, queue) -> None:
