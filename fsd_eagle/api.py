@@ -97,7 +97,8 @@ class SpeculativeGenerator:
 
     @property
     def tree(self) -> TreeConfig:
-        """The draft tree of every call (set with ``set_tree``)."""
+        """The draft tree of single prompts decoded greedily (set with ``set_tree``); while the tree follows
+        the presets, batches and sampling calls use theirs (see ``set_tree``)."""
         return self._tree
 
     @property
@@ -186,8 +187,9 @@ class SpeculativeGenerator:
         """Use the tuned presets for this target and device (fsd_eagle/presets.json), with any value given
         here overriding them; returns the tree of one prompt at a time. Calls that decode several prompts
         together use the preset of their batch size (smaller trees, or plain autoregressive decoding, where
-        the tuner measured them faster), with the same overrides; with any override given, a batch never
-        switches to autoregressive decoding. A preset's draft vocabulary applies only to a drafter with a
+        the tuner measured them faster), and calls that sample use the presets' sampling tree where they
+        hold one, with the same overrides; with any override given, a batch never switches to autoregressive
+        decoding. A preset's draft vocabulary applies only to a drafter with a
         token ranking (an EAGLE-2-style head trained here has one), not to an EAGLE-3 head such as the default
         model's shipped head (it drafts over its own vocabulary);
         ``draft_vocab`` = 0 drafts among all tokens."""
@@ -197,23 +199,25 @@ class SpeculativeGenerator:
         self._tree, self._overrides = tree, overrides
         return tree
 
-    def _preset_tree(self, batch: int, overrides: dict) -> tuple[TreeConfig, bool]:
-        """The preset tree for ``batch`` prompts with ``overrides``, and whether to draft at all."""
+    def _preset_tree(self, batch: int, overrides: dict, sampling: bool = False) -> tuple[TreeConfig, bool]:
+        """The preset tree for ``batch`` prompts (that sample, with ``sampling``) with ``overrides``, and
+        whether to draft at all."""
         from .trees_presets import preset, with_overrides
 
-        found = preset(self.target, batch_size=batch)
+        found = preset(self.target, batch_size=batch, sampling=sampling)
         tree = found.tree
         if overrides["draft_vocab"] is None and (not self._ranks_vocab() or tree.draft_vocab > self.target.vocab_size):
             tree = with_overrides(tree, draft_vocab=0)
         explicit = any(v is not None for v in overrides.values())
         return with_overrides(tree, **overrides), explicit or not found.autoregressive
 
-    def _batch_tree(self, rows: int) -> tuple[TreeConfig, bool]:
-        """The tree (and whether to draft) for ``rows`` prompts decoded together: the batch's preset while
-        the tree follows the presets (``set_tree``), else the tree given."""
-        if rows == 1 or self._overrides is None:
+    def _batch_tree(self, rows: int, sampling: bool = False) -> tuple[TreeConfig, bool]:
+        """The tree (and whether to draft) for ``rows`` prompts decoded together, sampling or not: the
+        preset of that batch size and rule while the tree follows the presets (``set_tree``), else the tree
+        given."""
+        if (rows == 1 and not sampling) or self._overrides is None:
             return self._tree, True
-        tree, drafts = self._preset_tree(rows, self._overrides)
+        tree, drafts = self._preset_tree(rows, self._overrides, sampling)
         try:
             self._check_tree(tree)
         except ConfigError:
@@ -445,8 +449,8 @@ class SpeculativeGenerator:
     def _session(self, drafting: bool, rule: AcceptanceRule, rows: int) -> Session:
         """The kept session for ``rows`` prompts under ``rule``: calls that differ only in temperature,
         top-p, top-k, threshold, seed or prompts share one (and its graphs). The tree is the batch's
-        (``_batch_tree``)."""
-        tree, drafts = self._batch_tree(rows)
+        (``_batch_tree``: its size's, greedy or sampling)."""
+        tree, drafts = self._batch_tree(rows, not rule.form.greedy)
         drafting = drafting and drafts and self.engine.has_drafter and tree.drafts
         form = rule.form if drafting else rule.form.exact()
         graphs = self._cuda_graphs and self.target.device.type == "cuda"

@@ -11,6 +11,7 @@ File layout::
      "<model name>": {"<device type>": {
          "tree": {"total_tokens": ..., "depth": ..., "top_k": ...[, "draft_vocab": ...]} or "<shape name>",
          "measured": {...how it was chosen...},
+         "sampling": {"tree": {...} or "<shape name>", "measured": {...}},
          "batch": {"8":  {"tree": {...} or "<shape name>", "measured": {...}},
                    "32": {"tree": "autoregressive", "measured": {...}}}}},
      "*": {...same, for any model...}}
@@ -25,6 +26,12 @@ object maps a bucket (a power of two, 2 to 64, as a string) to an entry of its o
 the largest bucket <= B; the device entry's own "tree" is bucket 1, used below the smallest bucket (and for
 any batch size when there is no "batch" object, as in files written before buckets existed). A device entry
 may hold only "batch"; its bucket 1 is then the EAGLE-2 defaults.
+
+Sampling. An entry (the device entry, or a bucket's) may hold "sampling": {"tree": ..., "measured": ...}, the
+tree of calls that sample (temperature > 0) at that bucket; greedy calls use "tree", and so do sampling calls
+where there is no "sampling" object. When sampling, a target's sample rarely follows a branch to its deepest
+nodes, so a shallower tree, which drafts fewer levels per round, can be the faster one
+(``python -m trees.tune --trees ... --temperature T`` measures it).
 """
 
 from __future__ import annotations
@@ -132,23 +139,36 @@ def _device_entry(table: dict, key: str, device_type: str) -> dict | None:
         return None
     entry = table.get(key)
     found = entry.get(device_type) if isinstance(entry, dict) else None
-    return found if isinstance(found, dict) and ("tree" in found or "batch" in found) else None
+    return found if isinstance(found, dict) and ("tree" in found or "batch" in found or "sampling" in found) else None
 
 
-def lookup_preset(table: dict, name: str, device_type: str, batch_size: int = 1) -> Preset | None:
+def _tree_spec(entry: dict, sampling: bool, where: str):
+    """An entry's "tree", or with ``sampling`` its "sampling" object's tree where it has one; a malformed
+    "sampling" object raises ConfigError (whatever ``sampling`` is)."""
+    spec = entry.get("sampling")
+    if spec is not None and not (isinstance(spec, dict) and "tree" in spec):
+        raise ConfigError(f"the \"sampling\" preset of {where} needs a \"tree\"; got {spec!r}")
+    return spec["tree"] if sampling and spec is not None else entry.get("tree")
+
+
+def lookup_preset(table: dict, name: str, device_type: str, batch_size: int = 1, sampling: bool = False
+                  ) -> Preset | None:
     """The preset for a model name, device type and batch size in ``table`` (the "*" model's when the model
     has no entry for the device type), or None: the entry of the largest batch bucket <= ``batch_size``,
-    else the device entry's own tree (the defaults where it has none)."""
+    else the device entry's own tree (the defaults where it has none). ``sampling``: the tree of calls
+    that sample, where an entry has one ("sampling"), else the same tree as greedy calls."""
     bucket = batch_bucket(batch_size)
     entry = next((e for e in (_device_entry(table, key, device_type) for key in (name, "*")) if e is not None), None)
     if entry is None:
         return None
-    if entry.get("tree") == AUTOREGRESSIVE:
+    device_tree = _tree_spec(entry, sampling, "the device entry")
+    if AUTOREGRESSIVE in (entry.get("tree"), device_tree):
         raise ConfigError(f"only a batch bucket's preset may be {AUTOREGRESSIVE!r}; the device entry's own tree "
                           "is for single prompts")
     buckets = bucket_entries(entry)
-    levels = [(b, buckets[b]["tree"]) for b in sorted(buckets, reverse=True) if b <= bucket]
-    levels.append((1, entry.get("tree")))  # None: the defaults
+    levels = [(b, _tree_spec(buckets[b], sampling, f"batch bucket {b}")) for b in sorted(buckets, reverse=True)
+              if b <= bucket]
+    levels.append((1, device_tree))  # None: the defaults
     chosen = levels[0][0]
     # The chosen bucket's tree; where that is autoregressive, the nearest smaller bucket's that drafts
     # (bucket 1, last, is taken whatever it holds: it is never "autoregressive").
@@ -173,11 +193,12 @@ def as_tree(found: Preset) -> TreeConfig:
     return TreeConfig(total_tokens=1, depth=1, top_k=1) if found.autoregressive else found.tree
 
 
-def preset(target: "Target", path: "str | Path | Traversable | None" = None, *, batch_size: int = 1) -> Preset:
-    """The preset for this target's model name and device type and ``batch_size`` prompts decoded together,
-    or ``Preset()`` (the TreeConfig() defaults, drafting)."""
+def preset(target: "Target", path: "str | Path | Traversable | None" = None, *, batch_size: int = 1,
+           sampling: bool = False) -> Preset:
+    """The preset for this target's model name and device type and ``batch_size`` prompts decoded together
+    (``sampling``: for calls that sample), or ``Preset()`` (the TreeConfig() defaults, drafting)."""
     config = getattr(getattr(target, "model", None), "config", None) or target.config  # a text sub-config has no name
-    return preset_entry(model_name(config), target.device.type, path, batch_size=batch_size)
+    return preset_entry(model_name(config), target.device.type, path, batch_size=batch_size, sampling=sampling)
 
 
 def preset_tree(target: "Target", path: "str | Path | Traversable | None" = None, *, batch_size: int = 1) -> TreeConfig:
@@ -187,9 +208,10 @@ def preset_tree(target: "Target", path: "str | Path | Traversable | None" = None
 
 
 def preset_entry(name: str, device_type: str, path: "str | Path | Traversable | None" = None, *,
-                 batch_size: int = 1) -> Preset:
-    """The preset filed under a model name and device type for ``batch_size``, or ``Preset()``."""
-    found = lookup_preset(load_presets(path), name, device_type, batch_size)
+                 batch_size: int = 1, sampling: bool = False) -> Preset:
+    """The preset filed under a model name and device type for ``batch_size`` (and ``sampling``), or
+    ``Preset()``."""
+    found = lookup_preset(load_presets(path), name, device_type, batch_size, sampling)
     return found if found is not None else Preset()
 
 

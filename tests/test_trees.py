@@ -201,6 +201,49 @@ def test_bad_batch_entries_and_batch_sizes_fail_with_one_line():
             trees_presets.lookup_preset(BATCHED, "tiny-x", "cpu", size)
 
 
+SAMPLED = {
+    "tiny-x": {"cpu": {"tree": {"total_tokens": 8, "depth": 3, "top_k": 2},
+                       "sampling": {"tree": {"total_tokens": 6, "depth": 2, "top_k": 3}, "measured": {"temperature": 0.7}},
+                       "batch": {"4": {"tree": {"total_tokens": 4, "depth": 2, "top_k": 2}, "sampling": {"tree": "chain-3"}},
+                                 "16": {"tree": "chain-3"}}}},
+    "_shapes": TABLE["_shapes"],
+}
+
+
+def test_sampling_presets_apply_to_calls_that_sample(tmp_path, monkeypatch, tiny_llama):
+    """An entry's "sampling" tree serves calls at temperature > 0 at its bucket (greedy calls keep "tree"; a
+    bucket without one serves both); the generator's sessions follow it while the tree follows the presets,
+    and explicit trees (constructor, or every value given to set_tree) are used for every call."""
+    t8, t6, t4, chain = TreeConfig(8, 3, 2), TreeConfig(6, 2, 3), TreeConfig(4, 2, 2), TreeConfig(4, 3, 1)
+    for b, greedy, sampled in ((1, t8, t6), (3, t8, t6), (4, t4, chain), (16, chain, chain)):
+        assert trees_presets.lookup_preset(SAMPLED, "tiny-x", "cpu", b).tree == greedy, b
+        assert trees_presets.lookup_preset(SAMPLED, "tiny-x", "cpu", b, sampling=True).tree == sampled, b
+    assert trees_presets.lookup_preset(BATCHED, "tiny-x", "cpu", 1, sampling=True).tree == t8  # none: the same
+    import fsd_eagle.api as api
+
+    model = named_model(tiny_llama, str(tmp_path / "tiny-x"))
+    monkeypatch.setattr(api, "load_target", lambda path, device, dtype, tp_size=1: (model, WordTokenizer()))
+    monkeypatch.setattr(trees_presets, "PRESETS", write(tmp_path, SAMPLED))
+    gen = SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu", random_head=True)
+    assert gen.tree == t8
+    assert gen.session().plan.tree == t8 and gen.session(temperature=0.7).plan.tree == t6
+    assert gen.session(temperature=0.7, batch=4).plan.tree == chain and gen.session(batch=4).plan.tree == t4
+    r = gen.generate([5, 17, 99, 3], 6, temperature=0.7, seed=1)
+    assert r.stats.new_tokens == 6
+    gen.set_tree(depth=2)  # one value given: the presets still answer, with it
+    assert gen.session(temperature=0.7).plan.tree == t6 and gen.session().plan.tree == TreeConfig(8, 2, 2)
+    gen.set_tree(5, 2, 2)  # every value given: that tree for every call
+    assert gen.session(temperature=0.7).plan.tree == TreeConfig(5, 2, 2) == gen.session().plan.tree
+    fixed = SpeculativeGenerator.load(target=tmp_path / "tiny-x", device="cpu", random_head=True, tree=t4)
+    assert fixed.session(temperature=0.7).plan.tree == t4
+    bad = {"tiny-x": {"cpu": {"tree": {"total_tokens": 8, "depth": 3, "top_k": 2}, "sampling": {"measured": {}}}}}
+    with pytest.raises(ConfigError, match="needs a \"tree\"") as e:
+        trees_presets.lookup_preset(bad, "tiny-x", "cpu")  # refused for greedy calls too
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="only a batch bucket"):
+        trees_presets.lookup_preset({"m": {"cpu": {"sampling": {"tree": "autoregressive"}}}}, "m", "cpu", sampling=True)
+
+
 def test_write_preset_per_bucket_keeps_the_rest_and_replaces_atomically(tmp_path):
     path = write(tmp_path, TABLE)
     path.chmod(0o644)
@@ -502,6 +545,41 @@ def test_tuner_writes_each_bucket_at_once_and_resume_keeps_them(tmp_path, monkey
     measured.clear()
     assert tune.main(argv[:-1] + ["2", "--resume"]) == 0  # --batch-fill 2: another command, both again
     assert measured == [(2, 4), (4, 8)]
+
+
+def test_tuner_writes_a_sampling_preset_beside_the_greedy_one(tmp_path, capsys):
+    """``--trees ... --temperature 0.7``: every tree is decoded sampling, and the winner becomes the device
+    entry's "sampling" tree; the greedy tree and the batch buckets stay. A greedy run afterwards keeps the
+    sampling preset. --temperature without --trees, with batch sizes or --resume is refused."""
+    from test_api import save_target_and_head
+
+    folders = save_target_and_head(tmp_path / "models", head_seed=3)
+    out = tmp_path / "presets.json"
+    base = ["--device", "cpu", "--threads", "1", "--target", str(folders / "target"), "--head", str(folders / "head"),
+            "--out", str(out), "--max-new-tokens", "4", "--validate", "2"]
+    assert tune.main(base + ["--trees", "4/2/2"]) == 0
+    model = next(iter(json.loads(out.read_text())))
+    tune.write_preset(out, model, "cpu", {"tree": "chain-3"}, bucket=8)
+    greedy = json.loads(out.read_text())[model]["cpu"]
+    assert tune.main(base + ["--trees", "3/2/1,5/2/2", "--temperature", "0.7"]) == 0
+    entry = json.loads(out.read_text())[model]["cpu"]
+    assert {k: entry[k] for k in greedy} == greedy  # tree, measured and batch as they were
+    sampling = entry["sampling"]
+    assert sampling["measured"]["temperature"] == 0.7 and "sampled at temperature 0.7" in sampling["measured"]["validation"]
+    assert {r["tree"] for r in sampling["measured"]["finalists"]} == {"ar", "3/2/1", "5/2/2", "60/6/10"}
+    chosen = TreeConfig(**sampling["tree"])
+    assert chosen.label in {"3/2/1", "5/2/2", "60/6/10"}
+    assert trees_presets.preset_for(model, "cpu", out) == TreeConfig(**greedy["tree"])
+    assert trees_presets.preset_entry(model, "cpu", out, sampling=True).tree == chosen
+    assert tune.main(base + ["--trees", "4/2/2"]) == 0  # greedy again: the sampling preset is kept
+    assert json.loads(out.read_text())[model]["cpu"]["sampling"] == sampling
+    capsys.readouterr()
+    for extra in (["--temperature", "0.7"], ["--trees", "4/2/2", "--temperature", "0.7", "--batch-sizes", "1,2"],
+                  ["--trees", "4/2/2", "--temperature", "0.7", "--resume"], ["--trees", "4/2/2", "--temperature", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            tune.main(base + extra)
+        assert e.value.code == 2
+        assert "--temperature" in capsys.readouterr().err
 
 
 def test_held_out_prompts_go_on_with_gsm8k_past_mt_bench():

@@ -67,7 +67,7 @@ from typing import Callable, Sequence
 import torch
 
 from eval.runinfo import git_commit
-from fsd_eagle.config import TreeConfig
+from fsd_eagle.config import SamplingConfig, TreeConfig
 from fsd_eagle.decode import DecodeStats, prefill_bucket
 from fsd_eagle.errors import ConfigError
 from fsd_eagle.models import default_head_path, head_weights_sha256
@@ -334,20 +334,22 @@ class Tuner:
         return times
 
     @torch.no_grad()
-    def decode(self, prompt: list[int], cfg: TreeConfig, max_new_tokens: int) -> "Run":
-        """A real greedy decode with this tree (AR: none), the library's scheduler and Session, every round
-        timed; stops after EOS (counted, as SpeculativeGenerator counts it)."""
+    def decode(self, prompt: list[int], cfg: TreeConfig, max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> "Run":
+        """A real decode with this tree (AR: none), greedy or sampled at ``temperature`` with ``seed``, the
+        library's scheduler and Session, every round timed; stops after EOS (counted, as
+        SpeculativeGenerator counts it)."""
         gen = self.gen
         if cfg.drafts:
             gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab)
-        rule = AcceptanceRule()
+        rule = AcceptanceRule(SamplingConfig(temperature=temperature))
         # The generator's own session (a captured CUDA graph on GPUs), as generate() decodes.
-        session = gen.session(autoregressive=not cfg.drafts)
+        session = gen.session(autoregressive=not cfg.drafts, temperature=temperature)
         stats = DecodeStats()
         ids = torch.tensor(prompt, device=self.dev)
         tokens: list[int] = []
         marks = [time.perf_counter()]
-        for new in decode(session, ids, max_new_tokens, rule, 0, stats):
+        for new in decode(session, ids, max_new_tokens, rule, seed, stats):
             marks.append(time.perf_counter())
             for tok in new:
                 tokens.append(tok)
@@ -425,15 +427,17 @@ def held_out_prompts(n: int) -> list[tuple[str, str]]:
 
 
 def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[TreeConfig], max_new_tokens: int,
-                  log: Callable[[str], None] = _log) -> tuple[dict[TreeConfig, list["Run"]], list[dict]]:
+                  log: Callable[[str], None] = _log, temperature: float = 0.0
+                  ) -> tuple[dict[TreeConfig, list["Run"]], list[dict]]:
     """Decode every prompt with every tree of ``trial`` (AR first in it), back to back per prompt and in
-    rotating order, so that load from other processes hits all alike. Returns the runs and one row per
+    rotating order, so that load from other processes hits all alike (greedy, or sampled at
+    ``temperature``, prompt i with seed i). Returns the runs and one row per
     tree: tau, tokens/s, steady tokens/s (rounds at their median time), median speedup over AR. After each
     prompt the log gets every tree's figures so far (what a run stopped midway still tells)."""
     measured: dict[TreeConfig, list[Run]] = {c: [] for c in trial}
     for i, prompt in enumerate(prompts):
         for cfg in rotated(trial, i):
-            measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens))
+            measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens, temperature, seed=i))
         so_far = ", ".join(f"{r['tree'].label} tau {r['tau']:.2f} x{r['speedup_vs_ar']:.2f}"
                            for r in summarize_runs(measured, trial))
         log(f"measured prompt {i + 1}/{len(prompts)}: {so_far}")
@@ -459,7 +463,7 @@ def row_json(row: dict) -> dict:
     return {k: (v.label if k == "tree" else round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
 
 
-def summarize(rows: list[dict], runs: str) -> tuple[dict, dict]:
+def summarize(rows: list[dict], runs: str, temperature: float = 0.0) -> tuple[dict, dict]:
     """The chosen row (see ``pick``) and the preset entry's common fields for measured ``rows``."""
     choice = pick(rows)
     by_tree = {r["tree"]: r for r in rows}
@@ -471,7 +475,8 @@ def summarize(rows: list[dict], runs: str) -> tuple[dict, dict]:
         "speedup_vs_ar": round(choice["speedup_vs_ar"], 3),
         "ar": fmt({k: v for k, v in by_tree[AR].items() if k != "tree"}),
         "eagle2_default": fmt(by_tree[DEFAULT_TREE]),
-        "validation": f"{runs}, greedy, every tree decoded once per prompt, back to back; steady = rounds at "
+        "validation": f"{runs}, {f'sampled at temperature {temperature:g} (prompt i with seed i)' if temperature else 'greedy'}, "
+                      "every tree decoded once per prompt, back to back; steady = rounds at "
                       "their median time (spikes of load elsewhere removed); chosen: the drafting tree with the "
                       "best steady tokens/s; speedup_vs_ar: median over prompts",
         "finalists": [fmt(r) for r in rows],
@@ -482,10 +487,11 @@ def summarize(rows: list[dict], runs: str) -> tuple[dict, dict]:
 
 
 def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig], *, max_new_tokens: int = 64,
-                   log: Callable[[str], None] = _log) -> dict:
+                   log: Callable[[str], None] = _log, temperature: float = 0.0) -> dict:
     """No cost model: decode each tree of ``trees`` (with AR and the EAGLE-2 default) on every prompt with
     the library's own Session (CUDA graphs, compiled rounds if ``gen.compile``) and keep the fastest.
-    For GPUs, where the model's eagerly timed stage costs say little about graph-replayed rounds."""
+    For GPUs, where the model's eagerly timed stage costs say little about graph-replayed rounds. With a
+    ``temperature``, every decode samples (the entry of a sampling preset)."""
     start = time.perf_counter()
     tuner = Tuner(gen, log)
     trial = list(dict.fromkeys([AR, *trees, DEFAULT_TREE]))
@@ -495,11 +501,12 @@ def tune_shortlist(gen, prompts: Sequence[list[int]], trees: Sequence[TreeConfig
         firsts = {prefill_bucket(len(p)): p for p in reversed(prompts)}
         for cfg in trial:
             for prompt in firsts.values():
-                tuner.decode(list(prompt), cfg, 8)
-    _, rows = measure_trees(tuner, prompts, trial, max_new_tokens, log)
-    choice, entry = summarize(rows, f"{len(prompts)} prompts, {max_new_tokens} new tokens")
+                tuner.decode(list(prompt), cfg, 8, temperature)
+    _, rows = measure_trees(tuner, prompts, trial, max_new_tokens, log, temperature)
+    choice, entry = summarize(rows, f"{len(prompts)} prompts, {max_new_tokens} new tokens", temperature)
     entry = {"tuned": True, "method": "shortlist: every tree decoded for real, no cost model",
-             "compiled_rounds": bool(getattr(gen, "compile", False)), **entry,
+             "compiled_rounds": bool(getattr(gen, "compile", False)),
+             **({"temperature": temperature} if temperature else {}), **entry,
              "seconds": round(time.perf_counter() - start, 1)}
     return {"tree": choice["tree"].to_dict(), "measured": entry}
 
@@ -748,23 +755,29 @@ def tuned_buckets(path: Path, model: str, device_type: str, command: str) -> dic
     entry = json.loads(path.read_text(encoding="utf-8")).get(model, {}).get(device_type, {})
     found = {int(b): e for b, e in entry.get("batch", {}).items()}
     if "tree" in entry:
-        found[1] = {k: v for k, v in entry.items() if k != "batch"}
+        found[1] = {k: v for k, v in entry.items() if k not in ("batch", "sampling")}
     return {b: e for b, e in found.items() if e.get("measured", {}).get("command") == command}
 
 
-def write_preset(path: Path, model: str, device_type: str, entry: dict, bucket: int = 1) -> None:
+def write_preset(path: Path, model: str, device_type: str, entry: dict, bucket: int = 1, sampling: bool = False
+                 ) -> None:
     """Set the presets file's entry for a model, device type and batch bucket, keeping the rest: bucket 1
-    replaces the device entry's own "tree" and "measured" (its "batch" object kept), a larger bucket that
-    bucket of "batch". The file is created if absent and replaced atomically (a temporary file in its folder,
-    then os.replace): a reader, or a tuner interrupted mid-write, never leaves half a file."""
+    replaces the device entry's own "tree" and "measured" (its "batch" and "sampling" objects kept), a larger
+    bucket that bucket of "batch"; with ``sampling``, bucket 1's "sampling" object (the tree of calls that
+    sample). The file is created if absent and replaced atomically (a temporary file in its folder, then
+    os.replace): a reader, or a tuner interrupted mid-write, never leaves half a file."""
     if bucket not in BUCKETS:
         raise ConfigError(f"a batch bucket is one of {', '.join(map(str, BUCKETS))}; got {bucket!r}")
     path = Path(path)
     table = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     devices = table.setdefault(model, {})
     old = devices.get(device_type, {})
-    if bucket == 1:
-        devices[device_type] = {**entry, **({"batch": old["batch"]} if "batch" in old else {})}
+    if sampling:
+        if bucket != 1:
+            raise ConfigError("the tuner writes a sampling preset for single prompts (bucket 1) only")
+        devices[device_type] = {**old, "sampling": entry}
+    elif bucket == 1:
+        devices[device_type] = {**entry, **{k: old[k] for k in ("sampling", "batch") if k in old}}
     else:
         batch = {**old.get("batch", {}), str(bucket): entry}
         devices[device_type] = {**old, "batch": dict(sorted(batch.items(), key=lambda kv: int(kv[0])))}
@@ -834,6 +847,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trees", type=_trees, default=None, metavar="T/D/K,...",
                    help="measure only these trees (total/depth/top_k; AR and 60/6/10 are added) by real decoding "
                         "of --validate prompts, no cost model: the way to tune for a GPU")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --trees: decode sampling at this temperature and write the device entry's sampling "
+                        "preset (the tree of calls that sample), not its greedy tree")
     p.add_argument("--compile", action="store_true", help="GPU: decode with compiled rounds (as generate(compile=True))")
     p.add_argument("--batch-sizes", type=_buckets, default=(1,), metavar="B,...",
                    help="batch buckets to tune (powers of two 1 to 64; 1: the tree for single prompts, as above; "
@@ -859,6 +875,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(a.min_batch_speedup) and a.min_batch_speedup > 0):
         p.error(f"--min-batch-speedup must be a number > 0, got {a.min_batch_speedup}")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        p.error(f"--temperature must be a number >= 0, got {a.temperature}")
+    if a.temperature > 0 and (a.trees is None or tuple(a.batch_sizes) != (1,) or a.resume):
+        p.error("--temperature tunes the sampling tree of single prompts: it needs --trees, and neither "
+                "--batch-sizes other than 1 nor --resume")
 
     cores = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -888,9 +909,10 @@ def main(argv: list[str] | None = None) -> int:
         """Write bucket ``b`` at once (a later bucket's failure keeps it; --resume skips it)."""
         if a.dry_run:
             return
-        write_preset(a.out, name, a.device, entry, bucket=b)
+        write_preset(a.out, name, a.device, entry, bucket=b, sampling=a.temperature > 0)
         tree = entry["tree"] if isinstance(entry["tree"], str) else TreeConfig(**entry["tree"]).label
-        _log(f"wrote {name}/{a.device}" + (f"/batch {b}" if b > 1 else "") + f" = {tree} to {a.out}")
+        where = f"/batch {b}" if b > 1 else "/sampling" if a.temperature > 0 else ""
+        _log(f"wrote {name}/{a.device}{where} = {tree} to {a.out}")
 
     def described(entry: dict, sources: list[str], extra: dict) -> dict:
         """The entry with the run's description (date, device, versions, command, head, prompts) first."""
@@ -910,7 +932,8 @@ def main(argv: list[str] | None = None) -> int:
     elif single:
         if a.trees is not None:
             _log(f"{name} on {a.device}: {len(a.trees)} trees measured on {single} prompts")
-            entry = tune_shortlist(gen, prompts[:single], a.trees, max_new_tokens=a.max_new_tokens)
+            entry = tune_shortlist(gen, prompts[:single], a.trees, max_new_tokens=a.max_new_tokens,
+                                   temperature=a.temperature)
             grid = {"trees": [t.label for t in a.trees]}
         else:
             configs = candidate_grid(a.totals, a.depths, a.top_ks)
@@ -933,6 +956,9 @@ def main(argv: list[str] | None = None) -> int:
                            min_speedup=a.min_batch_speedup)
         entries[b] = described(entry, [src for src, _ in texts[:n]], {"bucket_1_tree": winner.label})
         save(b, entries[b])
+    if a.temperature > 0:
+        print(json.dumps({name: {a.device: {"sampling": entries[1]}}}, indent=2))
+        return 0
     print(json.dumps({name: {a.device: {**entries.get(1, {}),
                                         **({"batch": {str(b): entries[b] for b in batches}} if batches else {})}}},
                      indent=2))
