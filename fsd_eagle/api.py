@@ -74,6 +74,7 @@ class SpeculativeGenerator:
         # A drafter over ``target`` for tools that time drafting steps directly (decoding uses sessions).
         self.drafter: SlotDrafter | None = self.engine.new_drafter(self.engine.target)
         self._tree = tree
+        self._sampling_tree = tree  # of single prompts that sample (the presets' sampling tree, see set_tree)
         self._overrides: dict | None = None  # set_tree's explicit values while the tree follows the presets
         self._cuda_graphs = True  # replay rounds (and prefills) as CUDA graphs on GPUs, for every rule
         self._compile = False  # compile rounds with torch.compile before capture (GPUs; ~1 min once per plan)
@@ -197,6 +198,16 @@ class SpeculativeGenerator:
         tree = self._preset_tree(1, overrides)[0]
         self._check_tree(tree)
         self._tree, self._overrides = tree, overrides
+        self._sampling_tree = self._checked_or(self._preset_tree(1, overrides, sampling=True)[0], tree)
+        return tree
+
+    def _checked_or(self, tree: TreeConfig, fallback: TreeConfig) -> TreeConfig:
+        """``tree`` if this generator can draft with it, else ``fallback`` (e.g. a preset's draft vocabulary
+        larger than this target's)."""
+        try:
+            self._check_tree(tree)
+        except ConfigError:
+            return fallback
         return tree
 
     def _preset_tree(self, batch: int, overrides: dict, sampling: bool = False) -> tuple[TreeConfig, bool]:
@@ -215,14 +226,12 @@ class SpeculativeGenerator:
         """The tree (and whether to draft) for ``rows`` prompts decoded together, sampling or not: the
         preset of that batch size and rule while the tree follows the presets (``set_tree``), else the tree
         given."""
-        if (rows == 1 and not sampling) or self._overrides is None:
+        if self._overrides is None:
             return self._tree, True
+        if rows == 1:
+            return (self._sampling_tree if sampling else self._tree), True
         tree, drafts = self._preset_tree(rows, self._overrides, sampling)
-        try:
-            self._check_tree(tree)
-        except ConfigError:
-            return self._tree, drafts
-        return tree, drafts
+        return self._checked_or(tree, self._tree), drafts
 
     def _ranks_vocab(self) -> bool:
         return self.drafter is not None and self.drafter.ranks_vocab
