@@ -499,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                                        **({"children": children} if children != "top" else {}))
                     row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
                            **sampling, **({"children": children} if children != "top" else {}),
-                           "tree": "ar" if method == "ar" else tree.label, "prompts": len(prompts), **row}
+                           "tree": "ar" if method == "ar" else gen.tree_for(temperature).label, "prompts": len(prompts),
+                           **row}
                     row["name"] = _label(row, with_tree=len(trees) > 1)
                     outputs[row["name"]] = row.pop("outputs", None)
                     rows.append(row)

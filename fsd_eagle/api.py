@@ -201,6 +201,13 @@ class SpeculativeGenerator:
         self._sampling_tree = self._checked_or(self._preset_tree(1, overrides, sampling=True)[0], tree)
         return tree
 
+    def tree_for(self, temperature: float = 0.0, batch: int = 1) -> TreeConfig:
+        """The draft tree of a call that decodes ``batch`` prompts together at ``temperature`` (the presets
+        of its batch size and rule while the tree follows them, see ``set_tree``); total_tokens 1 where
+        that batch decodes without drafting."""
+        tree, drafts = self._batch_tree(batch, temperature > 0)
+        return tree if drafts else TreeConfig(total_tokens=1, depth=1, top_k=1)
+
     def _checked_or(self, tree: TreeConfig, fallback: TreeConfig) -> TreeConfig:
         """``tree`` if this generator can draft with it, else ``fallback`` (e.g. a preset's draft vocabulary
         larger than this target's)."""

@@ -228,6 +228,7 @@ def test_sampling_presets_apply_to_calls_that_sample(tmp_path, monkeypatch, tiny
     assert gen.tree == t8
     assert gen.session().plan.tree == t8 and gen.session(temperature=0.7).plan.tree == t6
     assert gen.session(temperature=0.7, batch=4).plan.tree == chain and gen.session(batch=4).plan.tree == t4
+    assert (gen.tree_for(), gen.tree_for(0.7), gen.tree_for(0.7, batch=5)) == (t8, t6, chain)
     r = gen.generate([5, 17, 99, 3], 6, temperature=0.7, seed=1)
     assert r.stats.new_tokens == 6
     gen.set_tree(depth=2)  # one value given: the presets still answer, with it
