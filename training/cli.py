@@ -32,6 +32,7 @@ from fsd_eagle.models import (check_threads, head_weights_sha256, load_head, loa
 from fsd_eagle.target import Target
 
 from .data import main as data_main, read_conversations, write_conversations
+from .distill import conversation_of
 from .features import rank_tokens, tokenize_conversation
 from .fingerprint import check_resume, run_fingerprint, write_fingerprint
 from .recipe import Recipe, field_problem
@@ -179,7 +180,7 @@ def add_extra_distilled(distilled: list, extra: list, val_fraction: float) -> tu
     added = []
     for c in extra:
         key = json.dumps(c.messages, sort_keys=True)
-        if _is_val(c.id.split("#")[0], val_fraction) or key in seen:
+        if _is_val(conversation_of(c.id), val_fraction) or key in seen:
             continue
         seen.add(key)
         added.append(c)

@@ -70,6 +70,11 @@ def sample_id(conversation_id: str, sample: int) -> str:
     return conversation_id if sample == 0 else f"{conversation_id}#{sample}"
 
 
+def conversation_of(answer_id: str) -> str:
+    """The id of the conversation that a distilled answer (``sample_id``) answers."""
+    return answer_id.split("#")[0]
+
+
 def _turn_prompt(messages: list[dict], k: int) -> list[dict] | None:
     """The messages that open turn k (0-based): those after the (k-1)-th user message's answer, up to and
     including the k-th user message, without the original assistant answers; None if there is no k-th."""

@@ -435,13 +435,14 @@ def measure_trees(tuner: "Tuner", prompts: Sequence[list[int]], trial: Sequence[
     tree: tau, tokens/s, steady tokens/s (rounds at their median time), median speedup over AR. After each
     prompt the log gets every tree's figures so far (what a run stopped midway still tells)."""
     measured: dict[TreeConfig, list[Run]] = {c: [] for c in trial}
+    rows: list[dict] = []
     for i, prompt in enumerate(prompts):
         for cfg in rotated(trial, i):
             measured[cfg].append(tuner.decode(prompt, cfg, max_new_tokens, temperature, seed=i))
-        so_far = ", ".join(f"{r['tree'].label} tau {r['tau']:.2f} x{r['speedup_vs_ar']:.2f}"
-                           for r in summarize_runs(measured, trial))
+        rows = summarize_runs(measured, trial)
+        so_far = ", ".join(f"{r['tree'].label} tau {r['tau']:.2f} x{r['speedup_vs_ar']:.2f}" for r in rows)
         log(f"measured prompt {i + 1}/{len(prompts)}: {so_far}")
-    return measured, summarize_runs(measured, trial)
+    return measured, rows
 
 
 def summarize_runs(measured: dict[TreeConfig, list["Run"]], trial: Sequence[TreeConfig]) -> list[dict]:
