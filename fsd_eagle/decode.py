@@ -180,10 +180,8 @@ def run_round(target: Target, drafter: SlotDrafter | None, state: RoundState, tr
     with RoundResult.unpack)."""
     if drafter is not None:
         sampled = dict(rng=state.rng, temperature=state.values.temperature) if form.sampled_children else {}
-        # sampling: nodes ranked at the rows' temperatures, the chance that the target's walk reaches them
-        scores = {} if form.greedy else dict(score_temperature=state.values.temperature)
         tree = draft_tree(drafter, state.root_token, state.root_logits, state.root_state, tree_cfg,
-                          with_q=form.fuzzy, **sampled, **scores)
+                          with_q=form.fuzzy, **sampled)
     else:
         tree = root_tree(state.root_token)
     features = target.forward_tree(tree.tokens, tree.depths, tree.anc)

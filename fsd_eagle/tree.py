@@ -82,8 +82,8 @@ def root_tree(root_token: torch.Tensor) -> DraftTree:
 
 
 def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Tensor, root_state: torch.Tensor,
-               cfg: TreeConfig, with_q: bool = False, rng=None, temperature: torch.Tensor | None = None,
-               score_temperature: torch.Tensor | None = None) -> DraftTree:
+               cfg: TreeConfig, with_q: bool = False, rng=None, temperature: torch.Tensor | None = None
+               ) -> DraftTree:
     """Grow one EAGLE-2 tree per batch row from the roots' tokens ``[B]``, draft logits ``[B, V_d]`` and
     states ``[B, s]``.
 
@@ -97,24 +97,17 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     get, in that order, the sorted log-probs of the drawn set, so that pruning keeps a prefix of the draws
     (what recursive rejection sampling without replacement needs to stay lossless) while a node's budget
     follows the quality of all its draws; the draft logits go with the tree (r_logits) for the verifier.
-    ``score_temperature`` ``[B]``: score nodes by the draft's log-probs at this temperature per row (default
-    1). A sampling call passes its own temperature: the target accepts a top child x of node n with
-    probability p_n(x) at that temperature, so a node's cumulative score then estimates the log of the
-    chance that the walk reaches it, which is what the reranking maximises (EAGLE-2's argument, at the
-    call's temperature); at temperature 1 a sharper target's deep chains would be under-rated. Only which
-    nodes the tree keeps changes, never how they are verified.
     """
     k, depth, dev, vocab = cfg.top_k, cfg.depth, root_logits.device, drafter.vocab
     b, s = root_state.shape
 
     def children(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = logits.shape[0] // b  # logits [B * rows, V_d], batch-row major
-        scale = None if score_temperature is None else score_temperature.repeat_interleave(rows).unsqueeze(1)
         if rng is None:
-            return _top_logprobs(logits, k, vocab, scale)
+            return _top_logprobs(logits, k, vocab)
+        rows = logits.shape[0] // b
         u = rng.uniform((rows, logits.shape[1]), DRAW_CHILDREN + level).flatten(0, 1)
         temp = temperature.repeat_interleave(rows).unsqueeze(1)
-        return _sampled_children(logits, k, vocab, temp, u, scale)
+        return _sampled_children(logits, k, vocab, temp, u)
 
     score, tok = children(root_logits, 0)  # [B, k]
     cand_tok, cand_score, cand_parent, cand_depth = [tok], [score], [torch.full((b, k), -1, device=dev)], [1]
@@ -154,27 +147,23 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     return replace(tree, r_logits=torch.cat(q_logits, 1), r_vocab=vocab, max_children=k)
 
 
-def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None,
-                  score_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely tokens of each row of draft logits ``[R, V_d]`` (columns: ``vocab``'s ids, or every
-    token) and their log-probs ``[R, k]`` at ``score_temperature`` ``[R, 1]`` (default 1): the top k of the
-    logits minus the row's logsumexp (no [R, V] log-softmax is written)."""
-    logits = logits.float() if score_temperature is None else logits.float() / score_temperature
+    token) and their log-probs ``[R, k]``: the top k of the logits minus the row's logsumexp (no [R, V]
+    log-softmax is written)."""
+    logits = logits.float()
     vals, col = topk(logits, k)
     return vals - logits.logsumexp(-1, keepdim=True), (col if vocab is None else vocab[col])
 
 
 def _sampled_children(logits: torch.Tensor, k: int, vocab: torch.Tensor | None, temperature: torch.Tensor,
-                      u: torch.Tensor, score_temperature: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k tokens of each row of draft logits ``[R, V_d]`` drawn without replacement from softmax(logits / T)
     (the top k of logits / T plus Gumbel noise from the uniforms ``u`` ``[R, V_d]``), in the order drawn,
-    and scores for them: the drawn set's log-probs (at ``score_temperature`` ``[R, 1]``, default 1, as the
-    tree scores nodes) sorted in descending order, so that the i-th draw never outranks an earlier one."""
+    and scores for them: the drawn set's log-probs (at temperature 1, as the tree scores nodes) sorted in
+    descending order, so that the i-th draw never outranks an earlier one."""
     logits = logits.float()
     _, col = topk(logits / temperature - torch.log(-torch.log(u)), k)
-    if score_temperature is not None:
-        logits = logits / score_temperature
     logp = logits.gather(1, col) - logits.logsumexp(-1, keepdim=True)
     return logp.sort(dim=1, descending=True).values, (col if vocab is None else vocab[col])
 

@@ -435,13 +435,12 @@ def node_paths(tree) -> list[tuple]:
     return [tuple(int(t) for t in tree.tokens[tree.anc[i]].tolist()) for i in range(tree.size)]
 
 
-def reference_candidates(drafter: PathDrafter, root_token: int, cfg: TreeConfig, temperature: float = 1.0):
-    """EAGLE-2 expansion written plainly: {path: cumulative log-prob at ``temperature``} and the expanded
-    paths."""
+def reference_candidates(drafter: PathDrafter, root_token: int, cfg: TreeConfig):
+    """EAGLE-2 expansion written plainly: {path: cumulative log-prob} and the expanded paths."""
     k = cfg.top_k
     cands: dict[tuple, float] = {}
     frontier = []
-    score, tok = torch.log_softmax(drafter.logits_for((root_token,)) / temperature, -1).topk(k)
+    score, tok = torch.log_softmax(drafter.logits_for((root_token,)), -1).topk(k)
     for s, t in zip(score.tolist(), tok.tolist()):
         frontier.append((s, (root_token, t)))
     cands.update({p: s for s, p in frontier})
@@ -450,7 +449,7 @@ def reference_candidates(drafter: PathDrafter, root_token: int, cfg: TreeConfig,
         children = []
         for s, path in frontier:
             expanded.add(path)
-            cs, ct = torch.log_softmax(drafter.logits_for(path) / temperature, -1).topk(k)
+            cs, ct = torch.log_softmax(drafter.logits_for(path), -1).topk(k)
             children += [(s + c, path + (t,)) for c, t in zip(cs.tolist(), ct.tolist())]
         cands.update({p: s for s, p in children})
         frontier = sorted(children, key=lambda x: -x[0])[:k]
@@ -461,9 +460,8 @@ tree_shapes = st.tuples(st.integers(1, 120), st.integers(1, 6), st.integers(1, 6
                         st.integers(0, 10_000))
 
 
-def _make_tree(shape, ties=False, scale=3.0, subset=False, roots=None, score_temperature=None):
-    """A batch of trees ``[B, ...]`` rooted at ``roots`` (default: one row, rooted at seed % vocab), nodes
-    scored at ``score_temperature`` (one per row; default none: 1)."""
+def _make_tree(shape, ties=False, scale=3.0, subset=False, roots=None):
+    """A batch of trees ``[B, ...]`` rooted at ``roots`` (default: one row, rooted at seed % vocab)."""
     total, depth, k, n_vocab, seed = shape
     cfg = TreeConfig(total_tokens=total, depth=depth, top_k=k)
     # A draft vocabulary: a random half of the tokens (at least k), as sorted ids.
@@ -471,9 +469,7 @@ def _make_tree(shape, ties=False, scale=3.0, subset=False, roots=None, score_tem
     drafter = PathDrafter(n_vocab, cfg, seed, scale=scale, ties=ties, vocab=vocab if subset else None)
     roots = [seed % n_vocab] if roots is None else roots
     root_logits, root_state = drafter.root(roots)
-    temps = None if score_temperature is None else torch.tensor(score_temperature, dtype=torch.float32)
-    return draft_tree(drafter, torch.tensor(roots), root_logits, root_state, cfg, with_q=True,
-                      score_temperature=temps), drafter, cfg
+    return draft_tree(drafter, torch.tensor(roots), root_logits, root_state, cfg, with_q=True), drafter, cfg
 
 
 def _rows_of(tree) -> list:
@@ -556,52 +552,6 @@ def test_draft_tree_keeps_the_best_eagle2_candidates(shape):
         assert (int(tree.q_row[i]) >= 0) == (path in expanded)
     best = sorted(cands.values(), reverse=True)[: tree.size - 1]
     torch.testing.assert_close(torch.tensor(sorted(tree.scores[1:].tolist(), reverse=True)), torch.tensor(best))
-
-
-@settings(max_examples=40, deadline=None)
-@given(shape=tree_shapes, temperatures=st.tuples(*[st.sampled_from([0.3, 0.7, 1.0, 1.5])] * 2))
-def test_draft_tree_scores_nodes_at_each_rows_temperature(shape, temperatures):
-    """With a score temperature per row, each row keeps the best EAGLE-2 candidates scored by the draft's
-    log-probs at its own temperature; temperature 1 is the plain tree, bit for bit."""
-    n_vocab, seed = shape[3], shape[4]
-    roots = [seed % n_vocab, (seed * 7 + 3) % n_vocab]
-    tree, drafter, cfg = _make_tree(shape, roots=roots, score_temperature=list(temperatures))
-    for b, (root, t) in enumerate(zip(roots, temperatures)):
-        row = Row(tree, b)
-        cands, _ = reference_candidates(drafter, root, cfg, temperature=t)
-        paths = node_paths(row)
-        for i, path in enumerate(paths[1:], start=1):
-            assert math.isclose(float(row.scores[i]), cands[path], rel_tol=1e-5, abs_tol=1e-5)
-        best = sorted(cands.values(), reverse=True)[: row.size - 1]
-        torch.testing.assert_close(torch.tensor(sorted(row.scores[1:].tolist(), reverse=True)), torch.tensor(best))
-    plain = _make_tree(shape, roots=roots)[0]
-    at_one = _make_tree(shape, roots=roots, score_temperature=[1.0, 1.0])[0]
-    for name in Row.FIELDS:
-        torch.testing.assert_close(getattr(at_one, name), getattr(plain, name), rtol=0, atol=0, msg=name)
-
-
-def test_sampling_rounds_rank_tree_nodes_at_the_calls_temperature(tiny_llama, monkeypatch):
-    """A sampling round drafts its tree with node scores at the rows' temperatures (a deeper tree where the
-    target is sharper); a greedy round at the draft's own (temperature 1)."""
-    import fsd_eagle.decode as decode_module
-
-    seen = []
-    real_draft_tree = decode_module.draft_tree
-
-    def spy(*args, **kwargs):
-        t = kwargs.get("score_temperature")
-        seen.append(None if t is None else t.tolist())
-        return real_draft_tree(*args, **kwargs)
-
-    monkeypatch.setattr(decode_module, "draft_tree", spy)
-    prompt = random_prompt(5, 128)
-    for temperature, want in ((0.0, None), (0.6, [0.6]), (1.3, [1.3])):
-        seen.clear()
-        rule = AcceptanceRule(SamplingConfig(temperature=temperature))
-        session = make_session(tree=TreeConfig(total_tokens=12, depth=3, top_k=3), rule=rule,
-                               engine=_engine("eagle", tiny_llama))
-        list(decode(session, prompt, 8, rule, seed=1))
-        assert seen and all(s is None if want is None else s == pytest.approx(want) for s in seen), (temperature, seen)
 
 
 def _target_logits_for(tree, vocab: int, seed: int, boost: float = 0.6) -> torch.Tensor:
