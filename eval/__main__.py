@@ -3,6 +3,8 @@
     sweep  accuracy, fidelity and speed of AR, exact EAGLE-2 and FSD over thresholds x divergences
            (resumable; see eval/sweep.py)
     tau    acceptance length per category on MT-bench / Spec-Bench (eval/tau.py)
+    expected  expected tau of several trees under sampling, computed on the target's own answers
+           (eval/expected_tau.py): compares trees or heads without the verifier's sampling noise
     table  re-render results.json / results.md / accuracy_vs_speed.png of a sweep folder, optionally merging
            a single-process speed run (eval/report.py)
     speed  single-process GPU speed benchmark (eval/speed.py; its own options, see `speed --help`)
@@ -25,15 +27,19 @@ from fsd_eagle.errors import ConfigError, FSDError, exit_out_of_memory
 from fsd_eagle.jsonl import write_text_atomic
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, several: bool = True) -> None:
+    """The model options; ``several``: also --draft-model and --workers (commands that decode with either
+    drafter in several processes)."""
     p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", help="draft head folder (default: the head shipped for the target, if any)")
-    p.add_argument("--draft-model", help="a small causal LM folder sharing the target's tokenizer, drafting "
-                                         "instead of a head (classic SD; a chain suits it: tree top-k 1, e.g. depth 5)")
+    if several:
+        p.add_argument("--draft-model", help="a small causal LM folder sharing the target's tokenizer, drafting "
+                                             "instead of a head (classic SD; a chain suits it: tree top-k 1, e.g. depth 5)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="processes sharing the device, each loading the model once (1 = this process)")
+    if several:
+        p.add_argument("--workers", type=int, default=1,
+                       help="processes sharing the device, each loading the model once (1 = this process)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,6 +105,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="also decode each question autoregressively and count identical answers (greedy only)")
     p.add_argument("--out", help="also write the JSON to OUT/tau.json")
 
+    p = sub.add_parser("expected", help="expected tau of trees under sampling (eval/expected_tau.py)")
+    _model_args(p, several=False)
+    p.add_argument("--trees", required=True, metavar="T/D/K[/vV],...", help="comma-separated draft trees")
+    p.add_argument("--temperature", type=float, required=True, help="sampling temperature (> 0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--questions", choices=("mt_bench", "spec_bench"), default="mt_bench")
+    p.add_argument("--limit", type=int, help="questions (default: all)")
+    p.add_argument("--per-category", type=int, metavar="N", help="only the first N questions of each category")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="question i's answer is sampled with seed + i")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--out", help="also write the JSON to OUT/expected_tau.json")
+
     sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
     sub.add_parser("batch", help="batched throughput over batch sizes (eval/batch.py)", add_help=False)
 
@@ -139,7 +158,6 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
 def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
     from fsd_eagle.models import resolve_device
 
-    from .runinfo import git_commit, versions
     from .speed import device_label
     from .tasks import first_per_category, load_mt_bench, load_spec_bench
     from .tau import measure_tau
@@ -162,15 +180,52 @@ def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
     result = measure_tau(questions, a.target, a.head, a.device, a.dtype, a.max_new_tokens, a.workers,
                          tree=tree.to_dict(), temperature=a.temperature, seed=a.seed, draft_model=a.draft_model,
                          exact=a.exact)
-    result["run"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     "device": device_label(resolve_device(a.device)), "command": _command_line(argv),
-                     "code": git_commit(short=True), **versions()}
+    return _report(result, a.out, "tau.json", argv, device=device_label(resolve_device(a.device)))
+
+
+def _report(result: dict, out: str | None, name: str, argv: list[str], **run) -> int:
+    """Record the run (date, ``run``'s fields, command, code, versions) in ``result``, write it to OUT/name
+    (atomically) when asked, print it as one JSON line."""
+    from .runinfo import git_commit, versions
+
+    result["run"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **run,
+                     "command": _command_line(argv), "code": git_commit(short=True), **versions()}
     text = json.dumps(result)
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        write_text_atomic(Path(a.out) / "tau.json", text + "\n")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(out) / name, text + "\n")
     print(text)
     return 0
+
+
+def run_expected_command(a: argparse.Namespace, argv: list[str]) -> int:
+    from fsd_eagle.api import SpeculativeGenerator
+
+    from .expected_tau import measure_expected_tau
+    from .speed import device_label
+    from .tasks import first_per_category, load_mt_bench, load_spec_bench
+
+    try:
+        SamplingConfig(temperature=a.temperature, top_p=a.top_p)
+    except ConfigError as e:
+        raise ConfigError(f"--{e}") from None
+    if a.temperature == 0:
+        raise ConfigError("--temperature must be > 0: greedy acceptance is replayed by python -m trees.tune")
+    try:
+        trees = TreeConfig.parse_list(a.trees)
+    except ConfigError as e:
+        raise ConfigError(f"--trees: {e}") from None
+    if not trees or any(not t.drafts for t in trees):
+        raise ConfigError(f"--trees needs drafting trees (total/depth/top_k), got {a.trees!r}")
+    questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
+    if a.per_category is not None:
+        questions = first_per_category(questions, a.per_category)
+    gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads)
+    if gen.drafter is None:
+        raise ConfigError("this target has no draft head: pass --head")
+    result = measure_expected_tau(gen, questions, trees, a.temperature, a.top_p, a.seed, a.max_new_tokens)
+    return _report(result, a.out, "expected_tau.json", argv, device=device_label(gen.target.device),
+                   dtype=str(gen.target.dtype).replace("torch.", ""), head=a.head or "shipped")
 
 
 def run_table_command(a: argparse.Namespace, argv: list[str]) -> int:
@@ -227,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         from fsd_eagle.cli import quiet_transformers
 
         quiet_transformers()
-        return {"sweep": run_sweep_command, "tau": run_tau_command, "table": run_table_command}[args.command](args, argv)
+        return {"sweep": run_sweep_command, "tau": run_tau_command, "expected": run_expected_command,
+                "table": run_table_command}[args.command](args, argv)
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

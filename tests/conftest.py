@@ -147,6 +147,16 @@ def verify(tree, logits, rule, rng=None):
     return verify_tree(tree, logits, rule.form, rule.values(logits.device), rng)
 
 
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``[n, n]`` bool: node j is an ancestor of node i or i itself, for a tree given by its parents ``[n]``
+    (parents before children, the root its own parent)."""
+    n = parents.shape[0]
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[parents[i]]
+    return anc
+
+
 def reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """softmax(logits / T) restricted to the smallest top set with mass >= top_p (float64, renormalized)."""
     p = torch.softmax(logits.double() / temperature, -1)

@@ -38,7 +38,7 @@ from fsd_eagle.session import PendingRound, Plan, Session
 import fsd_eagle.session as session_module
 from fsd_eagle.verify import AcceptanceRule, Verdict
 
-from conftest import chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, verify
+from conftest import ancestors, chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, verify
 
 CPU = torch.device("cpu")
 GREEDY = AcceptanceRule()
@@ -122,9 +122,7 @@ def test_target_logits_match_the_models_own_forward(arch, backend):
     parents = torch.tensor([0, 0, 0, 1, 1, 2, 3, 6])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 3, 4])
     n = parents.shape[0]
-    anc = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        anc[i] |= anc[parents[i]]
+    anc = ancestors(parents)
     for _round in range(2):
         tokens = torch.randint(0, 128, (2, n), generator=gen)
         logits = target.logits(target.forward_tree(tokens, depths.expand(2, n), anc.expand(2, n, n)))

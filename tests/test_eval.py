@@ -309,6 +309,28 @@ def test_tau_command(folders, tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("error: --tree: expected a tree")
 
 
+def test_expected_command(folders, tmp_path, capsys):
+    """``eval expected``: one row per tree with the expected tau overall and per category (between 1 and
+    1 + depth), positions = the walked answer tokens, the run recorded; bad options are one-line errors."""
+    out = tmp_path / "expected"
+    args = ["expected", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+            "--dtype", "float32", "--limit", "2", "--max-new-tokens", "5", "--temperature", "0.8"]
+    assert eval_main(args + ["--trees", "6/3/2,2/1/1", "--out", str(out)]) == 0
+    result = json.loads((out / "expected_tau.json").read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert [r["tree"] for r in result["rows"]] == ["6/3/2", "2/1/1"] and result["questions"] == 2
+    for row, depth in zip(result["rows"], (3, 1)):
+        assert 1.0 <= row["expected_tau"]["all"] <= 1.0 + depth
+        assert 0 < row["positions"]["all"] <= 2 * 4 and set(row["expected_tau"]) == set(row["positions"])
+    assert result["rows"][0]["positions"] == result["rows"][1]["positions"]  # the same answers, every tree
+    assert result["temperature"] == 0.8 and result["run"]["command"].startswith("python -m eval expected")
+    for bad, message in ((["--trees", "6/3/x"], "error: --trees: expected a tree"),
+                         (["--trees", "1/1/1"], "error: --trees needs drafting trees"),
+                         (["--trees", "6/3/2", "--temperature", "0"], "error: --temperature must be > 0")):
+        assert eval_main(args + bad) == 2
+        assert capsys.readouterr().err.strip().startswith(message)
+
+
 def test_tau_exact_counts_answers_identical_to_autoregressive_decoding(folders, capsys, monkeypatch):
     """--exact decodes each question autoregressively too: greedy EAGLE-2 matches it on every question; a
     drafter whose answers differ (here every speculative answer with its third token changed) is reported
