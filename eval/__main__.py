@@ -3,8 +3,8 @@
     sweep  accuracy, fidelity and speed of AR, exact EAGLE-2 and FSD over thresholds x divergences
            (resumable; see eval/sweep.py)
     tau    acceptance length per category on MT-bench / Spec-Bench (eval/tau.py)
-    expected  expected tau of several trees under sampling, computed on the target's own answers
-           (eval/expected_tau.py): compares trees or heads without the verifier's sampling noise
+    replay tau of several trees replayed on the target's own answers, greedy or sampled (eval/replay_tau.py):
+           every tree on the same texts
     table  re-render results.json / results.md / accuracy_vs_speed.png of a sweep folder, optionally merging
            a single-process speed run (eval/report.py)
     speed  single-process GPU speed benchmark (eval/speed.py; its own options, see `speed --help`)
@@ -105,10 +105,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="also decode each question autoregressively and count identical answers (greedy only)")
     p.add_argument("--out", help="also write the JSON to OUT/tau.json")
 
-    p = sub.add_parser("expected", help="expected tau of trees under sampling (eval/expected_tau.py)")
+    p = sub.add_parser("replay", help="tau of trees replayed on the target's own answers (eval/replay_tau.py)")
     _model_args(p, several=False)
     p.add_argument("--trees", required=True, metavar="T/D/K[/vV],...", help="comma-separated draft trees")
-    p.add_argument("--temperature", type=float, required=True, help="sampling temperature (> 0)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="answers sampled at this temperature (question i with seed --seed + i); default 0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--questions", choices=("mt_bench", "spec_bench"), default="mt_bench")
     p.add_argument("--limit", type=int, help="questions (default: all)")
@@ -116,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="question i's answer is sampled with seed + i")
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--out", help="also write the JSON to OUT/expected_tau.json")
+    p.add_argument("--out", help="also write the JSON to OUT/replay_tau.json")
 
     sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
     sub.add_parser("batch", help="batched throughput over batch sizes (eval/batch.py)", add_help=False)
@@ -198,10 +199,10 @@ def _report(result: dict, out: str | None, name: str, argv: list[str], **run) ->
     return 0
 
 
-def run_expected_command(a: argparse.Namespace, argv: list[str]) -> int:
+def run_replay_command(a: argparse.Namespace, argv: list[str]) -> int:
     from fsd_eagle.api import SpeculativeGenerator
 
-    from .expected_tau import measure_expected_tau
+    from .replay_tau import replay_answers
     from .speed import device_label
     from .tasks import first_per_category, load_mt_bench, load_spec_bench
 
@@ -209,8 +210,6 @@ def run_expected_command(a: argparse.Namespace, argv: list[str]) -> int:
         SamplingConfig(temperature=a.temperature, top_p=a.top_p)
     except ConfigError as e:
         raise ConfigError(f"--{e}") from None
-    if a.temperature == 0:
-        raise ConfigError("--temperature must be > 0: greedy acceptance is replayed by python -m trees.tune")
     try:
         trees = TreeConfig.parse_list(a.trees)
     except ConfigError as e:
@@ -223,8 +222,8 @@ def run_expected_command(a: argparse.Namespace, argv: list[str]) -> int:
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads)
     if gen.drafter is None:
         raise ConfigError("this target has no draft head: pass --head")
-    result = measure_expected_tau(gen, questions, trees, a.temperature, a.top_p, a.seed, a.max_new_tokens)
-    return _report(result, a.out, "expected_tau.json", argv, device=device_label(gen.target.device),
+    result = replay_answers(gen, questions, trees, a.temperature, a.top_p, a.seed, a.max_new_tokens)
+    return _report(result, a.out, "replay_tau.json", argv, device=device_label(gen.target.device),
                    dtype=str(gen.target.dtype).replace("torch.", ""), head=a.head or "shipped")
 
 
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         from fsd_eagle.cli import quiet_transformers
 
         quiet_transformers()
-        return {"sweep": run_sweep_command, "tau": run_tau_command, "expected": run_expected_command,
+        return {"sweep": run_sweep_command, "tau": run_tau_command, "replay": run_replay_command,
                 "table": run_table_command}[args.command](args, argv)
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -309,24 +309,30 @@ def test_tau_command(folders, tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("error: --tree: expected a tree")
 
 
-def test_expected_command(folders, tmp_path, capsys):
-    """``eval expected``: one row per tree with the expected tau overall and per category (between 1 and
-    1 + depth), positions = the walked answer tokens, the run recorded; bad options are one-line errors."""
-    out = tmp_path / "expected"
-    args = ["expected", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
-            "--dtype", "float32", "--limit", "2", "--max-new-tokens", "5", "--temperature", "0.8"]
-    assert eval_main(args + ["--trees", "6/3/2,2/1/1", "--out", str(out)]) == 0
-    result = json.loads((out / "expected_tau.json").read_text())
+def test_replay_command(folders, tmp_path, capsys):
+    """``eval replay``: one row per tree with tau overall and per category (between 1 and 1 + depth), every
+    tree over the same answers (the same new tokens); greedy by default, sampled with a seed at a
+    temperature; the run recorded; bad options are one-line errors."""
+    out = tmp_path / "replay"
+    args = ["replay", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+            "--dtype", "float32", "--limit", "2", "--max-new-tokens", "5"]
+    assert eval_main(args + ["--trees", "6/3/2,2/1/1", "--temperature", "0.8", "--out", str(out)]) == 0
+    result = json.loads((out / "replay_tau.json").read_text())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert [r["tree"] for r in result["rows"]] == ["6/3/2", "2/1/1"] and result["questions"] == 2
     for row, depth in zip(result["rows"], (3, 1)):
-        assert 1.0 <= row["expected_tau"]["all"] <= 1.0 + depth
-        assert 0 < row["positions"]["all"] <= 2 * 4 and set(row["expected_tau"]) == set(row["positions"])
-    assert result["rows"][0]["positions"] == result["rows"][1]["positions"]  # the same answers, every tree
-    assert result["temperature"] == 0.8 and result["run"]["command"].startswith("python -m eval expected")
+        assert 1.0 <= row["tau"]["all"] <= 1.0 + depth
+        assert row["tau"]["all"] == round(row["new_tokens"]["all"] / row["target_forwards"]["all"], 4)
+        assert set(row["tau"]) == set(row["new_tokens"]) and 2 <= row["new_tokens"]["all"] <= 2 * 5
+    assert result["rows"][0]["new_tokens"] == result["rows"][1]["new_tokens"]  # the same answers, every tree
+    assert result["temperature"] == 0.8 and result["seed"] == 0
+    assert result["run"]["command"].startswith("python -m eval replay") and result["run"]["head"].endswith("head")
+    assert eval_main(args + ["--trees", "6/3/2"]) == 0
+    greedy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert greedy["temperature"] == 0.0 and "seed" not in greedy
     for bad, message in ((["--trees", "6/3/x"], "error: --trees: expected a tree"),
                          (["--trees", "1/1/1"], "error: --trees needs drafting trees"),
-                         (["--trees", "6/3/2", "--temperature", "0"], "error: --temperature must be > 0")):
+                         (["--trees", "6/3/2", "--temperature", "-1"], "error: --temperature must be")):
         assert eval_main(args + bad) == 2
         assert capsys.readouterr().err.strip().startswith(message)
 

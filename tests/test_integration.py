@@ -64,3 +64,26 @@ def test_cli_json_matches_autoregressive(prompts):
     for key in ("text", "new_tokens", "target_forwards", "tau", "tokens_per_s", "fuzzy_accepted"):
         assert key in outs[0]
     assert outs[0]["tau"] > outs[1]["tau"] == 1.0
+
+
+def test_sampled_decoding_takes_the_rounds_that_replaying_its_text_gives(gen, prompts):
+    """eval/replay_tau.py's premise, checked on real decodes: with top children and the exact rule, a sampled
+    decode's target forwards equal those of replaying its trees on the text it wrote (each round accepted
+    the longest tree path that the text follows), at several temperatures and seeds, with a tree other than
+    the generator's; so tau measured by replaying the target's own samples is the tau of sampled decoding."""
+    from trees.tune import Tuner, walk
+
+    tuner = Tuner(gen, log=lambda msg: None)
+    tree = gen.tree
+    other = TreeConfig(total_tokens=10, depth=4, top_k=3)
+    checked = 0
+    for cfg in (tree, other):
+        gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab)
+        for temperature, seed in ((0.7, 1), (1.0, 2), (0.0, None)):
+            r = gen.generate(prompts[0], NEW_TOKENS, temperature=temperature, seed=seed)
+            prompt = gen.encode(prompts[0])
+            accepts = tuner.replay(prompt, r.token_ids, tuner.continuation(prompt, r.token_ids), [cfg], {}, {})
+            assert walk(accepts[cfg], len(r.token_ids)) == (r.stats.new_tokens, r.stats.target_forwards)
+            checked += r.stats.target_forwards < r.stats.new_tokens  # decodes that accepted drafts
+    gen.set_tree(tree.total_tokens, tree.depth, tree.top_k, tree.draft_vocab)
+    assert checked >= 5

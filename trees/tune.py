@@ -361,9 +361,9 @@ class Tuner:
         return Run(tokens, stats.target_forwards, marks[-1] - marks[0], gaps[0], gaps[1:])
 
     @torch.no_grad()
-    def continuation(self, prompt: list[int], run: "Run") -> torch.Tensor:
-        """The target's features over prompt + the run's tokens but the last (what the head reads)."""
-        seq = torch.tensor(prompt + run.tokens[:-1], device=self.dev)
+    def continuation(self, prompt: list[int], tokens: Sequence[int]) -> torch.Tensor:
+        """The target's features over prompt + the decoded ``tokens`` but the last (what the head reads)."""
+        seq = torch.tensor(prompt + list(tokens[:-1]), device=self.dev)
         self.target.allocate(seq.shape[0] + 8)
         return self.target.prefill(seq[None])[0]
 
@@ -557,7 +557,7 @@ def tune(gen, prompts: Sequence[list[int]], configs: Sequence[TreeConfig], *, ma
     runs: dict[TreeConfig, list[Replayed]] = {c: [] for c in configs}
     alive = set(configs)
     for i, (prompt, ref) in enumerate(zip(prompts, refs)):
-        feats = tuner.continuation(prompt, ref)
+        feats = tuner.continuation(prompt, ref.tokens)
         accepts = tuner.replay(prompt, ref.tokens, feats, sorted(alive, key=lambda c: c.label), step_times, build_times)
         for cfg, acc in accepts.items():
             runs[cfg].append(Replayed(*walk(acc, len(ref.tokens)), ref.prefill_s))
