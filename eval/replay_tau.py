@@ -5,7 +5,7 @@ writing has accepted exactly the longest root path of its tree that the text's n
 that the text continues with can only have been accepted as a draft (the bonus drawn after the children are
 rejected has them all removed), and a next token that is no child is that bonus. The tree at t depends on the
 text before t only. So the rounds, and tau, are a function of the text alone: whatever text speculative
-decoding writes, replaying its trees on it gives its rounds exactly (``tests/test_eval.py`` checks this
+decoding writes, replaying its trees on it gives its rounds exactly (``tests/test_integration.py`` checks this
 against real sampled decodes). Speculative sampling writes the target's own samples, so this module samples
 each question's answer once from the target alone (question i with seed ``seed + i``; temperature 0: greedy)
 and replays every tree on those answers, as ``trees.tune`` replays greedy ones: each tree's tau is measured on
@@ -36,11 +36,9 @@ def replay_answers(gen, questions, trees: Sequence[TreeConfig], temperature: flo
     sums: dict[TreeConfig, dict[str, list[int]]] = {t: defaultdict(lambda: [0, 0]) for t in trees}
     start = time.perf_counter()
     for i, q in enumerate(questions):
-        answer = gen.generate(q.turns[0], max_new_tokens, temperature=temperature, top_p=top_p,
-                              seed=seed + i if temperature else None, autoregressive=True).token_ids
-        if not answer:
-            continue
         prompt = gen.encode(q.turns[0])
+        answer = gen.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p,
+                              seed=seed + i if temperature else None, autoregressive=True).token_ids
         features = tuner.continuation(prompt, answer)
         accepts = tuner.replay(prompt, answer, features, trees, {}, {})
         for cfg in trees:
