@@ -94,7 +94,8 @@ echo "${CUDA_VISIBLE_DEVICES:-all} $*" >> "$CALLS.gpu"
 out=""; prev=""
 for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
 case "$*" in
-  "-m training run"*"--stage distill"*) echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json" ;;
+  "-m training run"*"--stage distill"*)  # answers cached in the folder are kept, as --resume does
+    [ -f "$out/distilled.jsonl.gz" ] || { echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json"; } ;;
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
   "-m eval tau"*) mkdir -p "$out"; echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
   "-m eval speed"*) mkdir -p "$(dirname "$out")"; echo '{"rows": []}' > "$out" ;;
@@ -165,6 +166,31 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert {"distilled.jsonl.gz", "heads.tar"} <= {f.name for f in first.iterdir()}
     listing = subprocess.run(["tar", "-tf", str(first / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
+
+
+def test_head_script_adds_a_second_self_distillation_to_every_arm(tmp_path):
+    """EXTRA_DISTILL: a second self-distillation after the first, into $RES/extra with its options last (they
+    override the run's), whose answers every arm's training adds with --extra-distilled; they come back once
+    (with their settings). EXTRA_FROM seeds that folder from an earlier host, whose answers are kept."""
+    kept = tmp_path / "kept.jsonl.gz"
+    kept.write_text("sampled before\n")
+    kept.with_name("kept.jsonl.gz.json").write_text('{"distill_temperature": 0.7}')
+    res, _ = run_host_script(tmp_path, "head.sh", ["--distill-turns", "3"], "job ended, status 0",
+                             ARMS="a=;b=--unroll 2", EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7",
+                             EXTRA_FROM=str(kept))
+    training = [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m training run")]
+    distills = [c for c in training if "--stage distill" in c]
+    assert len(distills) == 2 and f"--out {res}/distill " in distills[0] and "--distill-temperature" not in distills[0]
+    assert f"--out {res}/extra " in distills[1]
+    assert distills[1].endswith("--distill-turns 3 --distill-turns 1 --distill-temperature 0.7")
+    arms = [c for c in training if "--stage distill" not in c]
+    assert len(arms) == 2 and all(f"--extra-distilled {res}/extra/distilled.jsonl.gz" in c for c in arms)
+    assert (res / "extra" / "distilled.jsonl.gz").read_text() == "sampled before\n"  # seeded, not made again
+    first = tmp_path / "out1"
+    assert (first / "extra_distilled.jsonl.gz").read_text() == "sampled before\n"
+    assert (first / "extra_distilled.jsonl.gz.json").read_text() == '{"distill_temperature": 0.7}'
+    again = tmp_path / "out"  # the second command sends them no more
+    assert not (again / "extra_distilled.jsonl.gz").exists()
 
 
 def test_head_script_warms_the_speed_run_beside_the_training(tmp_path):

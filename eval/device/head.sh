@@ -8,13 +8,13 @@
 # process (a copy of the code under $RES/code, since each command replaces the working tree):
 # self-distillation once, then one training run per arm side by side on the same distilled answers, then tau on
 # MT-bench for each arm's head. Every command waits up to $WAIT seconds (default 540, or until the job ends) and
-# copies to $OUT the log, the distilled answers (once, to seed a new host with DISTILLED_FROM=), each arm's
+# copies to $OUT the log, the distilled answers (once, to seed a new host with DISTILLED_FROM= / EXTRA_FROM=), each arm's
 # checkpoint progress (progress_<arm>.json) and tau (tau_<arm>.json); and the trained heads as one tar (heads.tar,
 # in 15 MiB pieces heads.tar.partNN when larger), each head once, as soon as it is trained (before tau and the
 # speed run). A job that died is restarted: every stage continues from what its run folders hold (distilled answers, checkpoints, exported heads).
 # Settings:
 #   RECIPE      training recipe (default training/recipes/gemma3-270m-eagle3.json with GEMMA=1, else
-#               training/recipes/smollm2-135m-instruct.json)
+#               training/recipes/smollm2-135m-instruct-eagle3.json, the shipped head's)
 #   ARMS        heads trained side by side, "name=options;name=options" (options for `python -m training run`
 #               for that arm alone), default one arm "head" with none. E.g. an architecture ablation:
 #               ARMS="eagle2=--arch eagle2;eagle3=--arch eagle3 --layers 2 15 27 --draft-vocab-size 16384"
@@ -25,6 +25,10 @@
 #               that a slow self-distillation cannot push the heads past the time the host is held
 #   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
 #               it as <file>.json)
+#   EXTRA_DISTILL  options of a second self-distillation after the first (into $RES/extra), whose answers every arm
+#               adds with --extra-distilled: more answers of other settings, e.g. the target's samples of the first
+#               turns, EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7"
+#   EXTRA_FROM  the second self-distillation's answers from an earlier host (as DISTILLED_FROM)
 #   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
 #   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, the self-distillation is
@@ -47,15 +51,19 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FSD_EAGLE_CACHE=${FSD_EAGLE_CACHE:-/root/fsd-cache}
 export GEMMA=${GEMMA:-0}
 if [ "$GEMMA" = 1 ]; then RECIPE=${RECIPE:-training/recipes/gemma3-270m-eagle3.json}
-else RECIPE=${RECIPE:-training/recipes/smollm2-135m-instruct.json}; fi
+else RECIPE=${RECIPE:-training/recipes/smollm2-135m-instruct-eagle3.json}; fi
 ARMS=${ARMS:-head=}
 bash eval/device/assemble.sh
 [ -f "$STORE/.unpacked" ] || exit 0  # more pieces to come
-mkdir -p "$RES/distill"
-if [ -n "${DISTILLED_FROM:-}" ] && [ ! -f "$RES/distill/distilled.jsonl.gz" ]; then
-  cp "$DISTILLED_FROM" "$RES/distill/distilled.jsonl.gz"
-  cp "$DISTILLED_FROM.json" "$RES/distill/distilled.json"
-fi
+seed() {  # seed FOLDER FILE: an earlier host's distilled answers (FILE, its settings FILE.json) into FOLDER
+  mkdir -p "$1"
+  if [ -n "$2" ] && [ ! -f "$1/distilled.jsonl.gz" ]; then
+    cp "$2" "$1/distilled.jsonl.gz"
+    cp "$2.json" "$1/distilled.json"
+  fi
+}
+seed "$RES/distill" "${DISTILLED_FROM:-}"
+[ -z "${EXTRA_DISTILL:-}" ] || seed "$RES/extra" "${EXTRA_FROM:-}"
 IFS=';' read -r -a arms <<< "$ARMS"
 names=()
 for arm in "${arms[@]}"; do names+=("${arm%%=*}"); done
@@ -66,7 +74,7 @@ if needs_start; then
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
       TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
-      WARM="${WARM:-0}" END_BY="${END_BY:-}" RESERVE="${RESERVE:-300}" \
+      WARM="${WARM:-0}" END_BY="${END_BY:-}" RESERVE="${RESERVE:-300}" EXTRA_DISTILL="${EXTRA_DISTILL:-}" \
       GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" NPROC="${NPROC:-1}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
@@ -82,6 +90,13 @@ if needs_start; then
       if [ "$GPUS" -gt 1 ]; then distiller=(torchrun --standalone --nproc-per-node "$GPUS" -m training); fi
       "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/distill" --device cuda \
           --stage distill --resume --workers "$WORKERS" "$@" >> "$0/log" 2>&1 || fail $?
+      extra=()  # a second self-distillation (its options last, so that they override), added to every arm
+      if [ -n "$EXTRA_DISTILL" ]; then
+        read -r -a extra_opts <<< "$EXTRA_DISTILL"
+        "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/extra" --device cuda \
+            --stage distill --resume --workers "$WORKERS" "$@" "${extra_opts[@]}" >> "$0/log" 2>&1 || fail $?
+        extra=(--extra-distilled "$0/extra/distilled.jsonl.gz")
+      fi
       if [ -n "$END_BY" ]; then  # what is left before the deadline, less the reserve, at least 60 s
         left=$(( END_BY - $(date +%s) - RESERVE )); left=$(( left > 60 ? left : 60 ))
         if [ "$TIME_BUDGET" = 0 ] || [ "$TIME_BUDGET" -gt "$left" ]; then TIME_BUDGET=$left; fi
@@ -114,7 +129,7 @@ if needs_start; then
           if [ "$GPUS" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$(devices "$first" 1); fi
         fi
         "${trainer[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/$name" --device cuda --resume \
-            "${budget[@]}" --workers "$workers" "${opts[@]}" "$@" >> "$0/log_$name" 2>&1 &
+            "${budget[@]}" --workers "$workers" "${extra[@]}" "${opts[@]}" "$@" >> "$0/log_$name" 2>&1 &
         pids+=($!)
         if [ "$outer" = unset ]; then unset CUDA_VISIBLE_DEVICES; else export CUDA_VISIBLE_DEVICES=$outer; fi
       done
@@ -147,6 +162,10 @@ if [ -n "${OUT:-}" ]; then
   cat "$RES/log" "$RES"/log_* > "$OUT/head.log" 2> /dev/null || true
   if [ -f "$RES/distill/distilled.json" ] && [ ! -f "$RES/distill/.sent" ]; then
     cp "$RES/distill/distilled.jsonl.gz" "$RES/distill/distilled.json" "$OUT/" && touch "$RES/distill/.sent"
+  fi
+  if [ -f "$RES/extra/distilled.json" ] && [ ! -f "$RES/extra/.sent" ]; then
+    cp "$RES/extra/distilled.jsonl.gz" "$OUT/extra_distilled.jsonl.gz" &&
+        cp "$RES/extra/distilled.json" "$OUT/extra_distilled.jsonl.gz.json" && touch "$RES/extra/.sent"
   fi
   cp "$RES/speed.json" "$OUT/" 2> /dev/null || cp "$RES/speed.partial.json" "$OUT/" 2> /dev/null || true
   for name in "${names[@]}"; do
