@@ -25,15 +25,20 @@ from collections import defaultdict
 from typing import Sequence
 
 from fsd_eagle.config import TreeConfig
-from trees.tune import Tuner, walk
+from trees.tune import Tuner, rounds
 
 
 def replay_answers(gen, questions, trees: Sequence[TreeConfig], temperature: float, top_p: float = 1.0,
                    seed: int = 0, max_new_tokens: int = 128) -> dict:
     """Tau (new tokens / target forwards, as DecodeStats counts them) of each tree, overall and per category,
-    replayed on each question's first-turn answer sampled from the target at ``temperature`` (greedy at 0)."""
+    replayed on each question's first-turn answer sampled from the target at ``temperature`` (greedy at 0),
+    and each tree's ``by_depth``: of the rounds whose first d - 1 drafts were accepted (``reached``), those
+    that accepted a d-th (``accepted``), for d = 1 ... depth: where along its depth a tree stops paying
+    (a round cut by the token limit is left out)."""
     tuner = Tuner(gen, log=lambda msg: None)
     sums: dict[TreeConfig, dict[str, list[int]]] = {t: defaultdict(lambda: [0, 0]) for t in trees}
+    reached = {t: [0] * t.depth for t in trees}
+    accepted = {t: [0] * t.depth for t in trees}
     start = time.perf_counter()
     for i, q in enumerate(questions):
         prompt = gen.encode(q.turns[0])
@@ -42,16 +47,23 @@ def replay_answers(gen, questions, trees: Sequence[TreeConfig], temperature: flo
         features = tuner.continuation(prompt, answer)
         accepts = tuner.replay(prompt, answer, features, trees, {}, {})
         for cfg in trees:
-            new, forwards = walk(accepts[cfg], len(answer))
+            made = rounds(accepts[cfg], len(answer))
             for key in ("all", q.category):
-                sums[cfg][key][0] += new
-                sums[cfg][key][1] += forwards
+                sums[cfg][key][0] += 1 + sum(made)  # the prefill makes the first token
+                sums[cfg][key][1] += 1 + len(made)
+            for n in made[:-1]:  # the last round may be cut by the limit
+                for d in range(min(n, cfg.depth)):  # n - 1 drafts accepted: depths 1 ... n reached
+                    reached[cfg][d] += 1
+                    accepted[cfg][d] += d < n - 1
         so_far = ", ".join(f"{cfg.label} {sums[cfg]['all'][0] / sums[cfg]['all'][1]:.3f}" for cfg in trees)
         print(f"question {i + 1}/{len(questions)} ({time.perf_counter() - start:.0f} s): {so_far}", file=sys.stderr,
               flush=True)
     rows = [{"tree": cfg.label, "tau": {k: round(n / f, 4) for k, (n, f) in sums[cfg].items()},
              "new_tokens": {k: n for k, (n, _) in sums[cfg].items()},
-             "target_forwards": {k: f for k, (_, f) in sums[cfg].items()}} for cfg in trees]
+             "target_forwards": {k: f for k, (_, f) in sums[cfg].items()},
+             "by_depth": {"reached": reached[cfg], "accepted": accepted[cfg],
+                          "acceptance": [round(a / r, 4) if r else None for a, r in zip(accepted[cfg], reached[cfg])]}}
+            for cfg in trees]
     return {"rows": rows, "temperature": temperature, "top_p": top_p, **({"seed": seed} if temperature else {}),
             "questions": len(questions), "max_new_tokens": max_new_tokens,
             "seconds": round(time.perf_counter() - start, 1)}

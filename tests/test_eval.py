@@ -311,8 +311,9 @@ def test_tau_command(folders, tmp_path, capsys):
 
 def test_replay_command(folders, tmp_path, capsys):
     """``eval replay``: one row per tree with tau overall and per category (between 1 and 1 + depth), every
-    tree over the same answers (the same new tokens); greedy by default, sampled with a seed at a
-    temperature; the run recorded; bad options are one-line errors."""
+    tree over the same answers (the same new tokens), and its acceptance by depth (a round reaches depth
+    d + 1 exactly when it accepted a d-th draft); greedy by default, sampled with a seed at a temperature;
+    the run recorded; bad options are one-line errors."""
     out = tmp_path / "replay"
     args = ["replay", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
             "--dtype", "float32", "--limit", "2", "--max-new-tokens", "5"]
@@ -324,6 +325,12 @@ def test_replay_command(folders, tmp_path, capsys):
         assert 1.0 <= row["tau"]["all"] <= 1.0 + depth
         assert row["tau"]["all"] == round(row["new_tokens"]["all"] / row["target_forwards"]["all"], 4)
         assert set(row["tau"]) == set(row["new_tokens"]) and 2 <= row["new_tokens"]["all"] <= 2 * 5
+        by_depth = row["by_depth"]
+        assert len(by_depth["reached"]) == len(by_depth["accepted"]) == len(by_depth["acceptance"]) == depth
+        assert by_depth["reached"][1:] == by_depth["accepted"][:-1]
+        assert all(a <= r for a, r in zip(by_depth["accepted"], by_depth["reached"]))
+        # every round but each answer's last reaches depth 1: forwards less the prefill and the last round
+        assert by_depth["reached"][0] == row["target_forwards"]["all"] - 2 * result["questions"]
     assert result["rows"][0]["new_tokens"] == result["rows"][1]["new_tokens"]  # the same answers, every tree
     assert result["temperature"] == 0.8 and result["seed"] == 0
     assert result["run"]["command"].startswith("python -m eval replay") and result["run"]["head"].endswith("head")

@@ -68,10 +68,10 @@ def test_cli_json_matches_autoregressive(prompts):
 
 def test_sampled_decoding_takes_the_rounds_that_replaying_its_text_gives(gen, prompts):
     """eval/replay_tau.py's premise, checked on real decodes: with top children and the exact rule, a sampled
-    decode's target forwards equal those of replaying its trees on the text it wrote (each round accepted
+    decode's rounds equal those of replaying its trees on the text it wrote (each round accepted
     the longest tree path that the text follows), at several temperatures and seeds, with a tree other than
     the generator's; so tau measured by replaying the target's own samples is the tau of sampled decoding."""
-    from trees.tune import Tuner, walk
+    from trees.tune import Tuner, rounds, walk
 
     tuner = Tuner(gen, log=lambda msg: None)
     tree = gen.tree
@@ -84,6 +84,8 @@ def test_sampled_decoding_takes_the_rounds_that_replaying_its_text_gives(gen, pr
             prompt = gen.encode(prompts[0])
             accepts = tuner.replay(prompt, r.token_ids, tuner.continuation(prompt, r.token_ids), [cfg], {}, {})
             assert walk(accepts[cfg], len(r.token_ids)) == (r.stats.new_tokens, r.stats.target_forwards)
+            made = rounds(accepts[cfg], len(r.token_ids))  # round by round (a decode's last counts its uncut accepts)
+            assert made[:-1] == r.stats.accept_lengths[:-1] and made[-1] <= r.stats.accept_lengths[-1]
             checked += r.stats.target_forwards < r.stats.new_tokens  # decodes that accepted drafts
     gen.set_tree(tree.total_tokens, tree.depth, tree.top_k, tree.draft_vocab)
     assert checked >= 5

@@ -128,15 +128,23 @@ def accepted_drafts(tokens: Sequence[int], parents: Sequence[int], continuation:
     return accepted
 
 
-def walk(accepts: Sequence[int], length: int) -> tuple[int, int]:
+def rounds(accepts: Sequence[int], length: int) -> list[int]:
     """Replay a decode of ``length`` tokens from per-position accepted drafts (``accepts[t]``: at the round
-    whose root is token t of the continuation). Returns (new tokens, target forwards), the prefill (which
-    makes token 0) counted as one forward, exactly as DecodeStats counts them."""
-    produced, forwards = 1, 1
+    whose root is token t of the continuation; the prefill makes token 0). Returns the tokens each round
+    makes, its accepted drafts + 1, the last one cut at ``length`` (DecodeStats.accept_lengths, whose last entry
+    is not cut)."""
+    made, produced = [], 1
     while produced < length:
-        produced += min(accepts[produced - 1] + 1, length - produced)
-        forwards += 1
-    return produced, forwards
+        made.append(min(accepts[produced - 1] + 1, length - produced))
+        produced += made[-1]
+    return made
+
+
+def walk(accepts: Sequence[int], length: int) -> tuple[int, int]:
+    """(new tokens, target forwards) of ``rounds``' decode, the prefill counted as one forward, exactly as
+    DecodeStats counts them."""
+    made = rounds(accepts, length)
+    return 1 + sum(made), 1 + len(made)
 
 
 # ---------------------------------------------------------------------------------------------- cost model
