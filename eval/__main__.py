@@ -156,16 +156,21 @@ def run_sweep_command(a: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _questions(a: argparse.Namespace) -> list:
+    """The questions that --questions, --limit and --per-category choose."""
+    from .tasks import first_per_category, load_mt_bench, load_spec_bench
+
+    questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
+    return questions if a.per_category is None else first_per_category(questions, a.per_category)
+
+
 def run_tau_command(a: argparse.Namespace, argv: list[str]) -> int:
     from fsd_eagle.models import resolve_device
 
     from .speed import device_label
-    from .tasks import first_per_category, load_mt_bench, load_spec_bench
     from .tau import measure_tau
 
-    questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
-    if a.per_category is not None:
-        questions = first_per_category(questions, a.per_category)
+    questions = _questions(a)
     try:  # a temperature or tree that generate would refuse, refused before any model loads
         SamplingConfig(temperature=a.temperature)
     except ConfigError as e:
@@ -204,7 +209,6 @@ def run_replay_command(a: argparse.Namespace, argv: list[str]) -> int:
 
     from .replay_tau import replay_answers
     from .speed import device_label
-    from .tasks import first_per_category, load_mt_bench, load_spec_bench
 
     try:
         SamplingConfig(temperature=a.temperature, top_p=a.top_p)
@@ -216,9 +220,7 @@ def run_replay_command(a: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"--trees: {e}") from None
     if not trees or any(not t.drafts for t in trees):
         raise ConfigError(f"--trees needs drafting trees (total/depth/top_k), got {a.trees!r}")
-    questions = (load_mt_bench if a.questions == "mt_bench" else load_spec_bench)(limit=a.limit)
-    if a.per_category is not None:
-        questions = first_per_category(questions, a.per_category)
+    questions = _questions(a)
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads)
     if gen.drafter is None:
         raise ConfigError("this target has no draft head: pass --head")

@@ -976,10 +976,7 @@ def _synthetic_tree(batch: int = 1):
     depths = torch.tensor([0, 1, 1, 1, 2, 2, 3])
     scores = torch.tensor([0.0, -0.5, -1.0, -2.0, -1.0, -1.5, -1.2])
     n = tokens.shape[0]
-    anc = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        anc[i] |= anc[parents[i]]
-    rows = [t.expand(batch, *t.shape) for t in (tokens, parents, depths, anc, scores)]
+    rows = [t.expand(batch, *t.shape) for t in (tokens, parents, depths, ancestors(parents), scores)]
     return DraftTree(*rows, None, torch.full((batch, n), -1), max_depth=3)
 
 
