@@ -5,11 +5,15 @@ kernels of one round by GPU time. Needs no model download:
 
     python eval/device/round_cost.py --batches 1,8 --trees ar,64/6/8/v16384,32/5/8/v16384 --out $OUT/cost.json
 
+``--temperatures 0,0.7`` times the sampling rounds too (top-p 1); ``--trace DIR`` writes a chrome trace of
+one replayed round per row (every kernel in launch order with its duration) to DIR/<batch>_<tree>_t<T>.json.
+
 Batch sessions compile their rounds with a symbolic batch size (fsd_eagle.decode.compiled_round), so after
 the first batch size above 1 the others start without compiling.
 """
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -19,7 +23,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from eval.device.profile_round import kernel_table, replay_ms  # noqa: E402
+from eval.device.profile_round import export_trace, kernel_table, replay_ms  # noqa: E402
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.config import TreeConfig  # noqa: E402
 from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
@@ -57,28 +61,36 @@ def main() -> None:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--trees", default="ar,64/6/8/v16384")
     p.add_argument("--prompt-len", type=int, default=120)
+    p.add_argument("--temperatures", default="0", help="comma-separated; 0 is greedy")
     p.add_argument("--kernels", type=int, default=20, help="kernels listed per round (0: no table)")
+    p.add_argument("--trace", help="folder for a chrome trace of one replayed round per row")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    temperatures = [float(x) for x in a.temperatures.split(",")]
     gen = random_generator(torch.bfloat16)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": transformers.__version__, "command": "python " + " ".join(sys.argv), "rows": []}
     for b in (int(x) for x in a.batches.split(",")):
         prompts = [torch.randint(10, 49000, (a.prompt_len + 7 * i,)).tolist() for i in range(b)]
-        for name in a.trees.split(","):
+        for name, temperature in itertools.product(a.trees.split(","), temperatures):
             ar = name == "ar"
             if not ar:
                 t = TreeConfig.parse(name)
                 gen.set_tree(t.total_tokens, t.depth, t.top_k, t.draft_vocab)
+            call = dict(batch_size=b, autoregressive=ar, temperature=temperature, seed=0)
             start = time.perf_counter()
-            gen.generate(prompts, max_new_tokens=16, batch_size=b, autoregressive=ar)
+            gen.generate(prompts, max_new_tokens=16, **call)
             first = time.perf_counter() - start
-            session = gen.session(autoregressive=ar, batch=b)
-            gen.generate(prompts, max_new_tokens=2, batch_size=b, autoregressive=ar)  # rows decoding again
-            row = {"batch": b, "tree": name, "mode": session.mode, "first_call_s": round(first, 1),
+            session = gen.session(autoregressive=ar, batch=b, temperature=temperature)
+            gen.generate(prompts, max_new_tokens=2, **call)  # rows decoding again
+            row = {"batch": b, "tree": name, "temperature": temperature, "mode": session.mode,
+                   "first_call_s": round(first, 1),
                    "replay_ms": round(replay_ms(session.graph[0]), 3) if session.graph else None}
             if a.kernels and session.graph:
                 row["kernels"] = kernel_table(session, top=a.kernels)
+            if a.trace and session.graph:
+                Path(a.trace).mkdir(parents=True, exist_ok=True)
+                export_trace(session, str(Path(a.trace) / f"{b}_{name.replace('/', '-')}_t{temperature}.json"))
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
             write_text_atomic(a.out, json.dumps(out, indent=1))
