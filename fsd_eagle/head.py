@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from .attention import attend
 from .errors import ConfigError, HeadMismatchError
+from .ops import project
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # what MLP implements
 ARCHS = ("eagle2", "eagle3")
@@ -405,7 +406,7 @@ class EagleHead(nn.Module):
 
     def draft_logits(self, states: torch.Tensor) -> torch.Tensor:
         """eagle3: the head's own lm_head over its draft vocabulary, float32: ``[..., h] -> [..., V_d]``."""
-        return self.lm_head(self.norm(states)).float()
+        return project(self.norm(states), self.lm_head.weight, self.lm_head.bias).float()
 
     def new_cache(self, max_len: int, device: torch.device, dtype: torch.dtype, batch: int = 1) -> HeadCache:
         heads = self.config.num_key_value_heads

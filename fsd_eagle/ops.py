@@ -1,6 +1,8 @@
-"""Small tensor helpers that stay on the device (no host sync, CUDA-graph safe)."""
+"""Small tensor helpers that stay on the device (no host sync, CUDA-graph safe), and the vocabulary
+projection ``project``."""
 
 import torch
+import torch.nn.functional as F
 
 
 def pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -8,3 +10,32 @@ def pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     indexing with a tensor would sync with the host)."""
     index = i.view((-1, 1) + (1,) * (x.dim() - 2)).expand((x.shape[0], 1) + tuple(x.shape[2:]))
     return x.gather(1, index).squeeze(1)
+
+
+#: A CPU projection onto at most this many rows, by a weight of at least LARGE_WEIGHT elements, runs as
+#: ``weight @ x.T`` (``project``).
+FEW_ROWS = 8
+LARGE_WEIGHT = 1 << 22
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x ``[..., K]``, weight ``[N, K]`` -> ``[..., N]``, for vocabulary
+    projections (lm_heads). On the CPU in float32, for at most FEW_ROWS rows and a weight of at least
+    LARGE_WEIGHT elements (one that does not stay in the caches), it runs as ``weight @ x.T`` (one row padded
+    to two): the math library's few-row ``x @ weight.T`` streams the weight once per row. Measured on a
+    2-core AMD EPYC (float32, one thread, SmolLM2's 49,152 x 576 lm_head): 1 / 2 / 3 / 4 / 8 rows took 9.3 /
+    21.0 / 31.4 / 16.4 / 18.8 ms as F.linear and 5.4 / 5.4 / 8.0 / 7.5 / 14.1 ms this way; from 12 rows on,
+    F.linear was as fast or faster. Values agree with F.linear up to float rounding (another summation
+    order)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    transposed = (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows <= FEW_ROWS
+                  and weight.numel() >= LARGE_WEIGHT)
+    if not transposed:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    out = torch.mm(weight, flat.T).T[:rows].contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])

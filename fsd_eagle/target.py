@@ -12,12 +12,12 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import attention, parallel
 from .cache import SlotCache, SlotMask
 from .errors import ConfigError, HeadMismatchError
+from .ops import project
 
 
 class Target:
@@ -189,7 +189,13 @@ class Target:
         Features that carry captured layers (``[..., h * (1 + m)]``) are read through their f."""
         if features.shape[-1] != self.hidden_size:
             features = features[..., :self.hidden_size]
-        logits = (self.lm_head(features) if weight is None else F.linear(features, weight, bias)).float()
+        if weight is not None:
+            logits = project(features, weight, bias)
+        elif type(self.lm_head) is nn.Linear and self.tp_size == 1:
+            logits = project(features, self.lm_head.weight, self.lm_head.bias)
+        else:  # e.g. sharded: transformers' hooks around the module gather the vocabulary
+            logits = self.lm_head(features)
+        logits = logits.float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

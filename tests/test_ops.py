@@ -1,0 +1,47 @@
+"""fsd_eagle.ops.project: the vocabulary projection (weight @ x.T for a few rows on the CPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsd_eagle import ops
+from fsd_eagle.ops import FEW_ROWS, LARGE_WEIGHT, project
+
+
+@pytest.fixture
+def mm_calls(monkeypatch) -> list:
+    """Shapes of the weights that torch.mm multiplied while the test ran (the transposed path's call)."""
+    calls: list = []
+    mm = torch.mm
+
+    def spy(a, b, *args, **kwargs):
+        calls.append(tuple(a.shape))
+        return mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(ops.torch, "mm", spy)
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 64), (1, 1, 64), (1, 3, 64), (2, 4, 64), (FEW_ROWS + 1, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_project_equals_linear_and_transposes_only_few_rows(shape, with_bias, mm_calls):
+    gen = torch.Generator().manual_seed(len(shape) * 10 + shape[0])
+    weight = torch.randn(LARGE_WEIGHT // 64, 64, generator=gen)
+    bias = torch.randn(weight.shape[0], generator=gen) if with_bias else None
+    x = torch.randn(*shape, generator=gen)
+    out = project(x, weight, bias)
+    assert out.shape == shape[:-1] + (weight.shape[0],) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    rows = x.numel() // x.shape[-1]
+    assert mm_calls == ([tuple(weight.shape)] if rows <= FEW_ROWS else [])
+
+
+@pytest.mark.parametrize("case", ["small weight", "float64", "bfloat16"])
+def test_project_is_linear_itself_outside_its_case(case, mm_calls):
+    gen = torch.Generator().manual_seed(0)
+    rows = LARGE_WEIGHT // 64 if case != "small weight" else 1024
+    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
+    weight = torch.randn(rows, 64, generator=gen).to(dtype)
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    assert torch.equal(project(x, weight), F.linear(x, weight))
+    assert mm_calls == []
