@@ -26,12 +26,16 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     2-core AMD EPYC (float32, one thread, SmolLM2's 49,152 x 576 lm_head): 1 / 2 / 3 / 4 / 8 rows took 9.3 /
     21.0 / 31.4 / 16.4 / 18.8 ms as F.linear and 5.4 / 5.4 / 8.0 / 7.5 / 14.1 ms this way; from 12 rows on,
     F.linear was as fast or faster. Values agree with F.linear up to float rounding (another summation
-    order)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    transposed = (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows <= FEW_ROWS
-                  and weight.numel() >= LARGE_WEIGHT)
+    order). Code that torch.compile traces always takes F.linear (compiled rounds: GPUs, and the CPU's
+    compiled reference path)."""
+    # Static properties first: under torch.compile (or with a symbolic batch) the row count is never read,
+    # so no guard on it is installed.
+    transposed = (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+                  and weight.dtype == torch.float32 and weight.numel() >= LARGE_WEIGHT
+                  and x.numel() <= FEW_ROWS * x.shape[-1])
     if not transposed:
         return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
         flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
