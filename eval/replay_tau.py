@@ -25,7 +25,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from fsd_eagle.config import TreeConfig
-from trees.tune import Tuner, rounds
+from trees.tune import Tuner, rounds, walk
 
 
 def replay_answers(gen, questions, trees: Sequence[TreeConfig], temperature: float, top_p: float = 1.0,
@@ -47,10 +47,11 @@ def replay_answers(gen, questions, trees: Sequence[TreeConfig], temperature: flo
         features = tuner.continuation(prompt, answer)
         accepts = tuner.replay(prompt, answer, features, trees, {}, {})
         for cfg in trees:
-            made = rounds(accepts[cfg], len(answer))
+            new, forwards = walk(accepts[cfg], len(answer))
             for key in ("all", q.category):
-                sums[cfg][key][0] += 1 + sum(made)  # the prefill makes the first token
-                sums[cfg][key][1] += 1 + len(made)
+                sums[cfg][key][0] += new
+                sums[cfg][key][1] += forwards
+            made = rounds(accepts[cfg], len(answer))
             for n in made[:-1]:  # the last round may be cut by the limit
                 for d in range(min(n, cfg.depth)):  # n - 1 drafts accepted: depths 1 ... n reached
                     reached[cfg][d] += 1

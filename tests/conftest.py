@@ -92,6 +92,23 @@ def inductor_freezing(monkeypatch):
     compiled_round.cache_clear()
 
 
+@pytest.fixture
+def mm_calls(monkeypatch) -> list:
+    """Shapes of the first operands that ``torch.mm`` multiplied in fsd_eagle.ops while the test ran: the
+    weights of ``ops.project``'s transposed path (``weight @ x.T``)."""
+    from fsd_eagle import ops
+
+    calls: list = []
+    mm = torch.mm
+
+    def spy(a, b, *args, **kwargs):
+        calls.append(tuple(a.shape))
+        return mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(ops.torch, "mm", spy)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_model("llama")

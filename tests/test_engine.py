@@ -178,19 +178,16 @@ def test_greedy_decoding_is_exact_with_a_window_on_every_layer(kind):
     check_greedy_exact("mistral", cached_model("mistral"), kind, seeds=(0,))
 
 
-def test_greedy_decoding_is_exact_through_the_transposed_cpu_projection(monkeypatch):
+def test_greedy_decoding_is_exact_through_the_transposed_cpu_projection(mm_calls):
     """A target whose lm_head is large enough for ``ops.project``'s ``weight @ x.T`` on the CPU (a few rows, a
     weight of LARGE_WEIGHT elements): every tree and AR stay token-identical to the reference loop (which
     uses transformers' own lm_head), and the transposed path ran."""
     from fsd_eagle import ops
 
     model = tiny_model("llama", vocab_size=ops.LARGE_WEIGHT // 64)
-    calls: list = []
-    mm = torch.mm
-    monkeypatch.setattr(ops.torch, "mm", lambda a, b: calls.append(tuple(a.shape)) or mm(a, b))
     for kind in ("eagle", "noisy"):
         check_greedy_exact("llama", model, kind, seeds=(0,))
-    assert (ops.LARGE_WEIGHT // 64, 64) in calls
+    assert (ops.LARGE_WEIGHT // 64, 64) in mm_calls
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")

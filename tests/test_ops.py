@@ -4,22 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsd_eagle import ops
 from fsd_eagle.ops import FEW_ROWS, LARGE_WEIGHT, project
-
-
-@pytest.fixture
-def mm_calls(monkeypatch) -> list:
-    """Shapes of the weights that torch.mm multiplied while the test ran (the transposed path's call)."""
-    calls: list = []
-    mm = torch.mm
-
-    def spy(a, b, *args, **kwargs):
-        calls.append(tuple(a.shape))
-        return mm(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(ops.torch, "mm", spy)
-    return calls
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (3, 64), (1, 1, 64), (1, 3, 64), (2, 4, 64), (FEW_ROWS + 1, 64)])
