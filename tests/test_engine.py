@@ -942,6 +942,22 @@ def test_sampling_decode_is_lossless(stat_setup, temperature, top_p, n):
     assert chi_square_pvalue(counts, expected, n) > 1e-3
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_decode_is_lossless_through_the_transposed_cpu_projection(stat_setup, monkeypatch, mm_calls,
+                                                                           temperature, top_p):
+    """The chi-square test of sampled decoding with every vocabulary projection of the round taking
+    ``ops.project``'s ``weight @ x.T`` (its size threshold lowered to this model's lm_head)."""
+    from fsd_eagle import ops
+
+    monkeypatch.setattr(ops, "LARGE_WEIGHT", 1)
+    rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
+    counts, accept_rate = sample_pairs(stat_setup, rule, 2000, seed=2)
+    assert accept_rate > 0.3
+    assert (STAT_VOCAB, 32) in mm_calls
+    expected = exact_pair_distribution(stat_setup[3], stat_setup[4], temperature, top_p)
+    assert chi_square_pvalue(counts, expected, 2000) > 1e-3
+
+
 def test_sampling_with_a_draft_vocabulary_is_lossless(stat_setup):
     """Drafting among half the tokens changes which children are proposed, never the output distribution."""
     first, second = stat_setup[3:]
