@@ -187,65 +187,102 @@ def _accept_sampling(tree, logits, fuzzy_ok, form, values, rng):
     return root_path(tree, cur), n_acc, bonus, exact_len
 
 
-def _accept_sampled_children(tree, logits, fuzzy_ok, form, values, rng):
-    """Recursive rejection sampling without replacement over sampled children (``draft_tree`` with an rng):
-    walk down from the root; at node c with target distribution p and the draft's r (at the row's
-    temperature, over the draft vocabulary), try c's children in the order they were drawn: child x is
-    accepted with probability min(1, p(x) / r(x)); on rejection p becomes max(p - r, 0) renormalised and r
-    loses x, renormalised. If every child is rejected, the fuzzy rule may still take the first child drawn
-    (``fuzzy_ok`` ``[B, n]``: D(p_c, q_c) <= T at its parent; hybrid mode), else the walk ends at c and the
-    bonus is a sample of the last p (at a node without children, of p_c itself). Pure mode takes the first
-    child iff it is fuzzy-ok, and otherwise ends with a sample of p_c. Without the fuzzy rule the output is
-    distributed as the target's samples, whatever r is. Random numbers: one uniform per (level, child slot),
-    one race for the bonus.
+def child_slots(tree: DraftTree, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each node's children in the order they were drawn (node order among siblings): ``kids [B, n, slots]``,
+    the node index of a node's j-th child, and ``exists [B, n, slots]``, whether it has one (a prefix of the
+    slots). Dense masks of ``[B, n, slots, n]``, no scatter."""
+    b, n = tree.tokens.shape
+    idx = torch.arange(n, device=tree.tokens.device)
+    not_root = idx > 0
+    earlier_sibling = ((tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & (idx.view(n, 1) > idx.view(1, n))
+                       & not_root.view(1, 1, n))  # [B, i, j]: j is a sibling drawn before i
+    rank = earlier_sibling.sum(2)  # [B, n]
+    slot_ids = torch.arange(slots, device=idx.device)
+    is_kid = ((tree.parents.view(b, 1, 1, n) == idx.view(1, n, 1, 1)) & (rank.view(b, 1, 1, n) == slot_ids.view(1, 1, slots, 1))
+              & not_root.view(1, 1, 1, n))  # [B, parent, slot, child]
+    return torch.argmax(is_kid.int(), 3), is_kid.any(3)
 
-    No distribution is rewritten per child: after any number of rejections at c, the unnormalised p is
-    max(p_c - a * r, 0) with one coefficient a per row (``_residual_coefficient``), except at the tokens
-    already rejected, whose values stay as they were when r lost them. So a child costs one sum over the
-    vocabulary (the new mass) and a few ``[B, slots]`` operations, and the ended rows' residual is written
-    once per level."""
-    (b, n), dev, slots = tree.tokens.shape, logits.device, tree.max_children
+
+def _accept_sampled_children(tree, logits, fuzzy_ok, form, values, rng):
+    """The sampled-children rule (``sampled_children_walk``) with the rows' random numbers: one uniform per
+    (level, child slot), one race for the bonus."""
     probs = process_logits(logits, form, values).softmax(-1)  # [B, n, V]
-    pure = form.mode == "pure"
-    not_root = torch.arange(n, device=dev) > 0
-    slot_ids = torch.arange(slots, device=dev)
-    uniforms = rng.uniform((tree.max_depth, slots), DRAW_ACCEPT)  # [B, depth, slots]
-    cur, alive, exact_alive, n_acc, exact_len = _walk_start(b, dev)
-    last_p = pick(probs, cur)  # the bonus distribution of rows whose walk has ended
-    temp = values.temperature.unsqueeze(1)
-    for level in range(tree.max_depth):
-        p_c = pick(probs, cur)  # [B, V]
-        row = pick(tree.q_row, cur).clamp(min=0)
-        r_d = (pick(tree.r_logits, row).float() / temp).softmax(-1)  # [B, V_d]
-        r = r_d if tree.r_vocab is None else torch.zeros_like(p_c).scatter(1, tree.r_vocab.expand(b, -1), r_d)
-        children = (tree.parents == cur.unsqueeze(1)) & not_root  # [B, n], in the order drawn
-        rank = torch.cumsum(children.long(), 1) - 1
-        first = torch.argmax((children & (rank == 0)).int(), 1)
-        in_slot = children.unsqueeze(1) & (rank.unsqueeze(1) == slot_ids.view(1, slots, 1))  # [B, slots, n]
-        exists, nodes = in_slot.any(2), torch.argmax(in_slot.int(), 2)  # [B, slots]
-        x = tree.tokens.gather(1, nodes)  # the children's tokens, distinct (drawn without replacement)
-        px, rx = p_c.gather(1, x), r.gather(1, x)  # [B, slots]
-        coef, mass, r_mass, kept = _rejection_states(p_c, r, px, rx, exists)  # before each slot, and after all
-        p_x = (px - coef[:, :slots] * rx).clamp(min=0)  # each child's p (unnormalised) when its turn comes
-        take = exists & (uniforms[:, level] * rx * mass[:, :slots] < p_x * r_mass[:, :slots])  # u < p(x) / r(x)
-        accepted = take.any(1)
-        nxt = torch.where(accepted, pick(nodes, torch.argmax(take.int(), 1)), cur)  # the first child taken
-        exact_alive = exact_alive & accepted & alive  # what the exact rule alone accepts (statistics)
+    uniforms = rng.uniform((tree.max_depth, tree.max_children), DRAW_ACCEPT)  # [B, depth, slots]
+    end, n_acc, exact_len, p_end = sampled_children_walk(tree, probs, fuzzy_ok, form.mode == "pure",
+                                                         values.temperature, uniforms)
+    return root_path(tree, end), n_acc, sample(p_end, rng, DRAW_TOKEN), exact_len
+
+
+def sampled_children_walk(tree: DraftTree, probs: torch.Tensor, fuzzy_ok: torch.Tensor, pure: bool,
+                          temperature: torch.Tensor, uniforms: torch.Tensor):
+    """Recursive rejection sampling without replacement over sampled children (``draft_tree`` with an rng).
+
+    Walk down from the root; at node c with target distribution p (``probs [B, n, V]``, processed) and the
+    draft's r (``tree.r_logits`` at ``temperature [B]``, over the draft vocabulary), try c's children in the
+    order they were drawn: child x is accepted iff u < p(x) / r(x), u = ``uniforms [B, depth, slots]`` at
+    (c's depth, x's slot); on rejection p becomes max(p - r, 0) renormalised and r loses x, renormalised.
+    If every child is rejected, the fuzzy rule may still take the first child drawn (``fuzzy_ok [B, n]``:
+    D(p_c, q_c) <= T at its parent; hybrid mode), else the walk ends at c with the last p as the bonus
+    distribution (at a node without children, p_c itself). Pure mode takes the first child iff it is
+    fuzzy-ok, and otherwise ends with p_c. Without the fuzzy rule the output is distributed as the target's
+    samples, whatever r is.
+
+    What happens at a node depends only on that node (its p, r, children and uniforms), so every node's
+    tests are made at once, before the walk: ``_rejection_states`` over ``[B, n, V_d]`` (one sum over the
+    draft vocabulary per child slot, for all nodes together); the walk then only follows each node's
+    verdict, and the bonus distribution is written once, for the node where the walk ends. Tokens outside
+    the draft vocabulary have r = 0: they keep p, and enter the sums as one constant per node.
+
+    Returns the end node ``[B]``, the accepted lengths (root included) of this rule and of the exact rule
+    alone ``[B]``, and the bonus distribution ``[B, V]`` (unnormalised)."""
+    (b, n), slots, vocab = tree.tokens.shape, tree.max_children, tree.r_vocab
+    kids, exists = child_slots(tree, slots)  # [B, n, slots]
+    x = tree.tokens.gather(1, kids.flatten(1)).view(b, n, slots)  # the children's tokens, distinct per node
+    rows = tree.q_row.clamp(min=0).unsqueeze(2).expand(b, n, tree.r_logits.shape[2])
+    r = (tree.r_logits.gather(1, rows).float() / temperature.view(-1, 1, 1)).softmax(-1)  # [B, n, V_d]
+    if vocab is None:
+        p_d, outside, cols = probs, 0.0, x
+    else:
+        p_d = probs.gather(2, vocab.view(1, 1, -1).expand(b, n, -1))
+        outside = (probs.sum(-1) - p_d.sum(-1)).clamp(min=0)  # [B, n]: p's mass where r = 0
+        cols = _draft_columns(vocab, probs.shape[2]).gather(0, x.flatten()).view(b, n, slots)
+    px, rx = probs.gather(2, x), r.gather(2, cols)  # [B, n, slots]
+    coef, mass, r_mass, kept = _rejection_states(p_d, r, px, rx, exists, outside)
+    p_x = (px - coef[..., :slots] * rx).clamp(min=0)  # each child's p (unnormalised) when its turn comes
+    u = uniforms.gather(1, tree.depths.clamp(max=tree.max_depth - 1).unsqueeze(2).expand(b, n, slots))
+    take = exists & (u * rx * mass[..., :slots] < p_x * r_mass[..., :slots])  # u < p(x) / r(x)
+    accepted = take.any(2)  # [B, n]: the exact rule takes one of the node's children
+    taken = kids.gather(2, torch.argmax(take.int(), 2, keepdim=True)).squeeze(2)  # the first child taken
+    has_kids, first = exists[..., 0], kids[..., 0]
+    cur, alive, exact_alive, n_acc, exact_len = _walk_start(b, probs.device)
+    for _ in range(tree.max_depth):
+        exact_here, first_c = pick(accepted, cur), pick(first, cur)
+        exact_alive = exact_alive & exact_here & alive
         exact_len = exact_len + exact_alive
-        fuzzy_go = children.any(1) & pick(fuzzy_ok, first)
+        fuzzy_go = pick(has_kids, cur) & pick(fuzzy_ok, first_c)
         if pure:
-            go, nxt, p = fuzzy_go, first, p_c
+            go, nxt = fuzzy_go, first_c
         else:
-            go, nxt = accepted | fuzzy_go, torch.where(accepted, nxt, first)
-            p = _residual_after_all(p_c, r, x, px, rx, exists, coef, mass, kept)
-        ended = alive & ~go
-        last_p = torch.where(ended.unsqueeze(1), p, last_p)
+            go, nxt = exact_here | fuzzy_go, torch.where(exact_here, pick(taken, cur), first_c)
         cur = torch.where(alive & go, nxt, cur)
         n_acc = n_acc + (alive & go)
         alive = alive & go
-    last_p = torch.where(alive.unsqueeze(1), pick(probs, cur), last_p)  # walked to the bottom: p at the leaf
-    bonus = sample(last_p, rng, DRAW_TOKEN)
-    return root_path(tree, cur), n_acc, bonus, exact_len
+    # The walk ends at a node whose children were all rejected, or that has none (where the residual is p).
+    p_end = pick(probs, cur)
+    if not pure:
+        r_end = pick(r, cur)
+        if vocab is not None:
+            r_end = torch.zeros_like(p_end).scatter(1, vocab.expand(b, -1), r_end)
+        p_end = _residual_after_all(p_end, r_end, pick(x, cur), pick(px, cur), pick(rx, cur), pick(exists, cur),
+                                    pick(coef, cur)[:, -1:], pick(mass, cur)[:, -1:], pick(kept, cur))
+    return cur, n_acc, exact_len, p_end
+
+
+def _draft_columns(vocab: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]``: the column of each token id in a draft vocabulary ``vocab`` ``[V_d]`` (0 for tokens outside
+    it, which no drafted child is)."""
+    columns = torch.arange(vocab.shape[0], device=vocab.device)
+    return torch.zeros(size, dtype=torch.long, device=vocab.device).scatter(0, vocab, columns)
 
 
 def _walk_start(b: int, dev: torch.device):
@@ -257,39 +294,42 @@ def _walk_start(b: int, dev: torch.device):
     return cur, alive, alive.clone(), n_acc, n_acc.clone()
 
 
-def _rejection_states(p: torch.Tensor, r: torch.Tensor, px: torch.Tensor, rx: torch.Tensor, exists: torch.Tensor):
+def _rejection_states(p: torch.Tensor, r: torch.Tensor, px: torch.Tensor, rx: torch.Tensor, exists: torch.Tensor,
+                      outside: torch.Tensor | float = 0.0):
     """The state of recursive rejection at a node before each of its child slots, given that every earlier
-    child was rejected (the only way a slot's turn comes), and after all of them (column ``slots``).
+    child was rejected (the only way a slot's turn comes), and after all of them (column ``slots``); for any
+    leading dimensions ``...`` (the nodes of B rows' trees: ``[B, n]``).
 
-    p ``[B, V]``: the target's distribution at the node; r ``[B, V]``: the draft's, the children's
-    proposal; px, rx ``[B, slots]``: both at the children's tokens in the order drawn; exists: which slots
-    hold a child (a prefix). Returns coef, mass, r_mass ``[B, slots + 1]`` and kept ``[B, slots]``: before
-    slot j, p (unnormalised) is max(p - coef_j * r, 0) of sum mass_j except at the tokens of slots < j, which
+    p ``[..., V]``: the target's distribution at the node (over the tokens r covers, with ``outside`` ``[...]``
+    the mass of those it leaves out, where r is 0); r ``[..., V]``: the draft's, the children's proposal;
+    px, rx ``[..., slots]``: both at the children's tokens in the order drawn; exists: which slots hold a
+    child (a prefix). Returns coef, mass, r_mass ``[..., slots + 1]`` and kept ``[..., slots]``: before slot
+    j, p (unnormalised) is max(p - coef_j * r, 0) of sum mass_j except at the tokens of slots < j, which
     kept their values kept_i, and r has r_mass_j left (r without those tokens). Each rejection is
     ``_residual_coefficient``: no distribution is rewritten, one sum over the vocabulary per slot."""
-    b, slots = px.shape
-    coef = [torch.zeros(b, device=p.device)]
+    slots = px.shape[-1]
+    coef = [torch.zeros(px.shape[:-1], device=p.device)]
     mass, r_mass, kept = [torch.ones_like(coef[0])], [torch.ones_like(coef[0])], []
     for slot in range(slots):
-        there = exists[:, slot]
+        there = exists[..., slot]
         coef.append(torch.where(there, _residual_coefficient(coef[-1], mass[-1], r_mass[-1]), coef[-1]))
-        r_mass.append(torch.where(there, (r_mass[-1] - rx[:, slot]).clamp(min=1e-30), r_mass[-1]))
-        at = (px[:, : slot + 1] - coef[-1].unsqueeze(1) * rx[:, : slot + 1]).clamp(min=0)  # [B, slot + 1]
-        kept.append(at[:, slot])  # the rejected token keeps its value from here on
+        r_mass.append(torch.where(there, (r_mass[-1] - rx[..., slot]).clamp(min=1e-30), r_mass[-1]))
+        at = (px[..., : slot + 1] - coef[-1].unsqueeze(-1) * rx[..., : slot + 1]).clamp(min=0)  # [..., slot + 1]
+        kept.append(at[..., slot])  # the rejected token keeps its value from here on
         # every token at the new coefficient, less what that gives the earlier rejected tokens over their kept values
-        earlier = (at[:, :slot] - torch.stack(kept[:slot], 1)).sum(1) if slot else 0.0
-        total = (p - coef[-1].unsqueeze(1) * r).clamp(min=0).sum(1) - earlier
+        earlier = (at[..., :slot] - torch.stack(kept[:slot], -1)).sum(-1) if slot else 0.0
+        total = (p - coef[-1].unsqueeze(-1) * r).clamp(min=0).sum(-1) + outside - earlier
         mass.append(torch.where(there, total.clamp(min=1e-30), mass[-1]))
-    return torch.stack(coef, 1), torch.stack(mass, 1), torch.stack(r_mass, 1), torch.stack(kept, 1)
+    return torch.stack(coef, -1), torch.stack(mass, -1), torch.stack(r_mass, -1), torch.stack(kept, -1)
 
 
 def _residual_after_all(p, r, x, px, rx, exists, coef, mass, kept) -> torch.Tensor:
-    """p ``[B, V]`` once every child (``exists``) is rejected, from ``_rejection_states``' last column: p less
-    coef * r, the rejected tokens x at their kept values, renormalised."""
-    last = coef[:, -1:]
-    at_last = (px - last * rx).clamp(min=0)
-    residual = (p - last * r).clamp(min=0).scatter_add(1, x, torch.where(exists, kept - at_last, 0.0))
-    return residual / mass[:, -1:]
+    """p ``[B, V]`` once every child (``exists``, ``[B, slots]``) is rejected, from the last column of
+    ``_rejection_states`` (``coef``, ``mass`` ``[B, 1]``): p less coef * r, the rejected tokens x at their kept
+    values, renormalised."""
+    at_last = (px - coef * rx).clamp(min=0)
+    residual = (p - coef * r).clamp(min=0).scatter_add(1, x, torch.where(exists, kept - at_last, 0.0))
+    return residual / mass
 
 
 def _residual_coefficient(coef: torch.Tensor, mass: torch.Tensor, r_mass: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fsd_eagle.verify as verify_module
 from fsd_eagle.api import SpeculativeGenerator
@@ -27,10 +29,12 @@ from fsd_eagle.rng import DRAW_ACCEPT, RandomStream, mix32
 from fsd_eagle.sampling import RuleForm, RuleValues, process_logits
 from fsd_eagle.schedule import decode
 from fsd_eagle.session import PendingRound, Plan, Session
-from fsd_eagle.verify import AcceptanceRule
+from fsd_eagle.tree import draft_tree
+from fsd_eagle.verify import AcceptanceRule, sampled_children_walk, verify_tree
 
 from conftest import chi_square_pvalue, decode_all, has_cpu_compiler, make_session, tiny_model
-from test_engine import BROKEN, STAT_TREE, exact_pair_distribution, make_stat_setup, noisy_copy
+from test_engine import (BROKEN, STAT_TREE, PathDrafter, Row, _target_logits_for, exact_pair_distribution,
+                         make_stat_setup, noisy_copy)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -308,13 +312,92 @@ def test_rejections_follow_one_coefficient(seed):
     exists = torch.arange(slots) < torch.tensor(there).unsqueeze(1)
     px, rx = p.gather(1, x), r.gather(1, x)
     coef, mass, r_mass, kept = verify_module._rejection_states(p, r, px, rx, exists)
-    last = verify_module._residual_after_all(p, r, x, px, rx, exists, coef, mass, kept)
+    last = verify_module._residual_after_all(p, r, x, px, rx, exists, coef[:, -1:], mass[:, -1:], kept)
     for i in range(2):
         seen, p_last = _rewritten_each_rejection(p[i], r[i], x[i], there[i])
         for j, (p_j, r_j) in enumerate(seen):
             p_x = float((px[i, j] - coef[i, j] * rx[i, j]).clamp(min=0) / mass[i, j])
             assert p_x == pytest.approx(p_j, abs=1e-6) and float(rx[i, j] / r_mass[i, j]) == pytest.approx(r_j, abs=1e-6)
         assert torch.allclose(last[i], p_last, atol=1e-6)
+
+
+def _sampled_tree(shape, subset: bool, temperature: float, seed: int):
+    """Two rows' trees with children sampled from a PathDrafter (over a draft vocabulary with ``subset``),
+    the target's logits ``[2, n, V]`` and the rows' random stream at the step the tree was drawn with."""
+    total, depth, k, n_vocab, _ = shape
+    cfg = TreeConfig(total_tokens=total, depth=depth, top_k=k)
+    vocab = torch.randperm(n_vocab, generator=torch.Generator().manual_seed(seed))[: max(k, n_vocab // 2)]
+    drafter = PathDrafter(n_vocab, cfg, seed, vocab=vocab if subset else None)
+    roots = [seed % n_vocab, (seed * 7 + 3) % n_vocab]
+    rng = RandomStream.create("cpu", seed, batch=2)
+    rng.reseed(seed + 1, 1)
+    root_logits, root_state = drafter.root(roots)
+    tree = draft_tree(drafter, torch.tensor(roots), root_logits, root_state, cfg, with_q=True, rng=rng,
+                      temperature=torch.full((2,), temperature))
+    logits = torch.stack([_target_logits_for(Row(tree, b), n_vocab, seed + b, 0.4) for b in range(2)])
+    return tree, logits, rng
+
+
+def _reference_sampled_walk(tree, probs, fuzzy: bool, pure: bool, temperature: float, uniforms, b: int):
+    """Row ``b`` under recursive rejection sampling without replacement, written from the definition: walk
+    down from the root; at each node rewrite p and r after every rejected child (p = max(p - r, 0)
+    renormalised, r without the child's token, renormalised); the fuzzy rule at T = inf takes the first
+    child drawn. Returns the accepted nodes and the bonus distribution."""
+    parents, tokens, q_row = tree.parents[b].tolist(), tree.tokens[b].tolist(), tree.q_row[b].tolist()
+    cur, path = 0, [0]
+    for level in range(tree.max_depth):
+        kids = [c for c in range(1, tree.size) if parents[c] == cur]
+        if not kids:
+            break
+        p = probs[b, cur].clone()
+        r_d = (tree.r_logits[b, q_row[cur]].float() / temperature).softmax(-1)
+        r = r_d if tree.r_vocab is None else torch.zeros_like(p).index_copy(0, tree.r_vocab, r_d)
+        taken = None
+        for slot, child in enumerate(kids):
+            x = tokens[child]
+            if float(uniforms[b, level, slot]) < float(p[x] / r[x]):
+                taken = child
+                break
+            p = (p - r).clamp(min=0)
+            p = p / p.sum()
+            r[x] = 0.0
+            r = r / r.sum()
+        if pure or taken is None:
+            taken = kids[0] if fuzzy else None
+        if taken is None:
+            return path, (probs[b, cur] if pure else p)
+        cur = taken
+        path.append(cur)
+    return path, probs[b, cur]
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.tuples(st.integers(2, 60), st.integers(1, 5), st.integers(1, 5), st.integers(8, 40), st.integers(0, 10_000)),
+       subset=st.booleans(), temperature=st.sampled_from([0.6, 1.0]), top_p=st.sampled_from([0.8, 1.0]),
+       fuzzy=st.sampled_from(["exact", "hybrid", "pure"]))
+def test_sampled_children_verdicts_follow_the_definition(shape, subset, temperature, top_p, fuzzy):
+    """sampled_children_walk makes every node's tests at once and then walks; a walk that rewrites p and r
+    after each rejection (the definition) accepts the same nodes and ends with the same bonus distribution,
+    row by row, with and without a draft vocabulary (its ids in no order), for the exact rule and for both
+    fuzzy modes at T = inf (which take the first child drawn)."""
+    tree, logits, rng = _sampled_tree(shape, subset, temperature, shape[4])
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, children="sampled")
+    rule = AcceptanceRule(sampling) if fuzzy == "exact" else \
+        AcceptanceRule(sampling, FuzzyConfig(threshold=float("inf"), mode=fuzzy))
+    form, values = rule.form, rule.values()
+    probs = process_logits(logits, form, values).softmax(-1)
+    uniforms = rng.uniform((tree.max_depth, tree.max_children), DRAW_ACCEPT)
+    fuzzy_ok = torch.ones(tree.tokens.shape, dtype=torch.bool) if form.fuzzy else torch.zeros(tree.tokens.shape, dtype=torch.bool)
+    end, n_acc, exact_len, p_end = sampled_children_walk(tree, probs, fuzzy_ok, fuzzy == "pure",
+                                                         values.temperature.expand(2), uniforms)
+    verdict = verify_tree(tree, logits, form, values, rng)
+    for b in range(2):
+        path, p_ref = _reference_sampled_walk(tree, probs, form.fuzzy, fuzzy == "pure", temperature, uniforms, b)
+        assert int(n_acc[b]) == len(path) and int(end[b]) == path[-1]
+        torch.testing.assert_close(p_end[b] / p_end[b].sum(), p_ref / p_ref.sum(), atol=1e-5, rtol=1e-4)
+        assert verdict.path[b, : len(path)].tolist() == path  # verify_tree takes the same walk
+        if fuzzy == "exact":
+            assert int(exact_len[b]) == len(path)
 
 
 def test_sampled_children_settings():

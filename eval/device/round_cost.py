@@ -5,8 +5,10 @@ kernels of one round by GPU time. Needs no model download:
 
     python eval/device/round_cost.py --batches 1,8 --trees ar,64/6/8/v16384,32/5/8/v16384 --out $OUT/cost.json
 
-``--temperatures 0,0.7`` times the sampling rounds too (top-p 1); ``--trace DIR`` writes a chrome trace of
-one replayed round per row (every kernel in launch order with its duration) to DIR/<batch>_<tree>_t<T>.json.
+``--temperatures 0,0.7`` times the sampling rounds too (top-p 1), ``--children top,sampled`` those with the
+tree's top children and/or children sampled from the drafter; ``--trace DIR`` writes a chrome trace of one
+replayed round per row (every kernel in launch order with its duration) to
+DIR/<batch>_<tree>_t<T>[_sampled].json.
 
 Batch sessions compile their rounds with a symbolic batch size (fsd_eagle.decode.compiled_round), so after
 the first batch size above 1 the others start without compiling.
@@ -62,6 +64,7 @@ def main() -> None:
     p.add_argument("--trees", default="ar,64/6/8/v16384")
     p.add_argument("--prompt-len", type=int, default=120)
     p.add_argument("--temperatures", default="0", help="comma-separated; 0 is greedy")
+    p.add_argument("--children", default="top", help="comma-separated: top and/or sampled (sampling rows only)")
     p.add_argument("--kernels", type=int, default=20, help="kernels listed per round (0: no table)")
     p.add_argument("--trace", help="folder for a chrome trace of one replayed round per row")
     p.add_argument("--out", required=True)
@@ -72,25 +75,28 @@ def main() -> None:
            "transformers": transformers.__version__, "command": "python " + " ".join(sys.argv), "rows": []}
     for b in (int(x) for x in a.batches.split(",")):
         prompts = [torch.randint(10, 49000, (a.prompt_len + 7 * i,)).tolist() for i in range(b)]
-        for name, temperature in itertools.product(a.trees.split(","), temperatures):
+        for name, temperature, children in itertools.product(a.trees.split(","), temperatures, a.children.split(",")):
             ar = name == "ar"
+            if children != "top" and (ar or temperature == 0):
+                continue  # only drafting rows that sample have children to sample
             if not ar:
                 t = TreeConfig.parse(name)
                 gen.set_tree(t.total_tokens, t.depth, t.top_k, t.draft_vocab)
-            call = dict(batch_size=b, autoregressive=ar, temperature=temperature, seed=0)
+            call = dict(batch_size=b, autoregressive=ar, temperature=temperature, seed=0, children=children)
             start = time.perf_counter()
             gen.generate(prompts, max_new_tokens=16, **call)
             first = time.perf_counter() - start
-            session = gen.session(autoregressive=ar, batch=b, temperature=temperature)
+            session = gen.session(autoregressive=ar, batch=b, temperature=temperature, children=children)
             gen.generate(prompts, max_new_tokens=2, **call)  # rows decoding again
-            row = {"batch": b, "tree": name, "temperature": temperature, "mode": session.mode,
+            row = {"batch": b, "tree": name, "temperature": temperature, "children": children, "mode": session.mode,
                    "first_call_s": round(first, 1),
                    "replay_ms": round(replay_ms(session.graph[0]), 3) if session.graph else None}
             if a.kernels and session.graph:
                 row["kernels"] = kernel_table(session, top=a.kernels)
             if a.trace and session.graph:
                 Path(a.trace).mkdir(parents=True, exist_ok=True)
-                export_trace(session, str(Path(a.trace) / f"{b}_{name.replace('/', '-')}_t{temperature}.json"))
+                suffix = "_sampled" if children == "sampled" else ""
+                export_trace(session, str(Path(a.trace) / f"{b}_{name.replace('/', '-')}_t{temperature}{suffix}.json"))
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
             write_text_atomic(a.out, json.dumps(out, indent=1))
