@@ -1,5 +1,5 @@
-"""Small tensor helpers that stay on the device (no host sync, CUDA-graph safe), and the vocabulary
-projection ``project``."""
+"""Small tensor helpers that stay on the device (no host sync, CUDA-graph safe): ``pick``, ``first_argmax``,
+and the vocabulary projection ``project``."""
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,29 @@ def pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     indexing with a tensor would sync with the host)."""
     index = i.view((-1, 1) + (1,) * (x.dim() - 2)).expand((x.shape[0], 1) + tuple(x.shape[2:]))
     return x.gather(1, index).squeeze(1)
+
+
+#: ``first_argmax`` reduces vectors longer than two such chunks in two stages.
+ARGMAX_CHUNK = 1024
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first maximum of each row, as torch returns it) in two stages for long rows: the
+    maximum of each chunk of ARGMAX_CHUNK entries, then the first chunk holding the row's maximum. The index
+    is the same; the point is the GPU's work: a compiled argmax over one long row (a sampled token from one
+    distribution over the vocabulary) runs as one thread block that also computes every element's inputs
+    (the race's random numbers), while [rows, chunks] chunk maxima spread over as many blocks as chunks.
+    x ``[..., V]`` of a floating type; rows of all -inf or NaN behave as in torch's argmax only where V is
+    at most two chunks."""
+    v = x.shape[-1]
+    if v <= 2 * ARGMAX_CHUNK:
+        return x.argmax(-1)
+    pad = -v % ARGMAX_CHUNK
+    if pad:  # -inf after the row's last entry never comes first
+        x = F.pad(x, (0, pad), value=float("-inf"))
+    best, within = x.unflatten(-1, (-1, ARGMAX_CHUNK)).max(-1)  # [..., chunks]: each chunk's first maximum
+    chunk = best.argmax(-1, keepdim=True)  # the first chunk with the row's maximum holds its first maximum
+    return (chunk * ARGMAX_CHUNK + within.gather(-1, chunk)).squeeze(-1)
 
 
 #: A CPU projection onto at most this many rows, by a weight of at least LARGE_WEIGHT elements, runs as

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import first_argmax
 from .rng import DRAW_TOKEN, RandomStream
 
 
@@ -104,9 +105,10 @@ def process_logits(logits: torch.Tensor, form: RuleForm, values: RuleValues) -> 
 def sample(probs: torch.Tensor, rng: RandomStream, draw: int) -> torch.Tensor:
     """Draw one index per distribution of ``[B, ..., V]`` (unnormalized, non-negative) weights without a host
     sync: argmax of w / E with E ~ Exp(1) (the exponential race) picks i with probability w_i / sum w.
-    E = -log U with U from ``rng``'s draw ``draw`` at each row's current step. Returns ``[B, ...]``."""
+    E = -log U with U from ``rng``'s draw ``draw`` at each row's current step. Returns ``[B, ...]``. The
+    argmax is ``first_argmax``: the same token as argmax, with the race spread over many GPU blocks."""
     race = -torch.log(rng.uniform(tuple(probs.shape[1:]), draw))
-    return (probs.float() / race).argmax(dim=-1)
+    return first_argmax(probs.float() / race)
 
 
 def choose(logits: torch.Tensor, form: RuleForm, values: RuleValues, rng: RandomStream | None) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""fsd_eagle.ops.project: the vocabulary projection (weight @ x.T for a few rows on the CPU)."""
+"""fsd_eagle.ops: the vocabulary projection (weight @ x.T for a few rows on the CPU) and the two-stage argmax."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fsd_eagle.ops import FEW_ROWS, LARGE_WEIGHT, project
+from fsd_eagle.ops import ARGMAX_CHUNK, FEW_ROWS, LARGE_WEIGHT, first_argmax, project
+
+from conftest import has_cpu_compiler
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (3, 64), (1, 1, 64), (1, 3, 64), (2, 4, 64), (FEW_ROWS + 1, 64)])
@@ -30,3 +32,24 @@ def test_project_is_linear_itself_outside_its_case(case, mm_calls):
     x = torch.randn(3, 64, generator=gen).to(dtype)
     assert torch.equal(project(x, weight), F.linear(x, weight))
     assert mm_calls == []
+
+
+@pytest.mark.parametrize("v", [7, 2 * ARGMAX_CHUNK, 2 * ARGMAX_CHUNK + 1, 5 * ARGMAX_CHUNK - 3, 48 * ARGMAX_CHUNK])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 5)])
+def test_first_argmax_is_argmax(v, lead):
+    """The same index as argmax (its first maximum) for every row, ties included: values rounded to a few
+    levels tie often, and one row's maximum is placed in its last, partial chunk and once more earlier."""
+    gen = torch.Generator().manual_seed(v + len(lead))
+    x = (torch.rand(*lead, v, generator=gen) * 4).round()
+    x.view(-1, v)[0, -1] = 9.0
+    x.view(-1, v)[-1, v // 3] = x.view(-1, v)[-1, -2] = 9.0
+    assert torch.equal(first_argmax(x), x.argmax(-1))
+    y = torch.randn(*lead, v, generator=gen)
+    assert torch.equal(first_argmax(y), y.argmax(-1))
+
+
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+def test_first_argmax_compiled_equals_eager():
+    torch._dynamo.reset()
+    x = (torch.rand(2, 49152, generator=torch.Generator().manual_seed(1)) * 3).round()
+    assert torch.equal(torch.compile(first_argmax, dynamic=False)(x), x.argmax(-1))
