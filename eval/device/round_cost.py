@@ -3,7 +3,7 @@ shipped head (round costs do not depend on the weights; tau does, so none is rep
 and tree: the wall seconds of the first call (compilation and capture), GPU ms per replayed round, and the
 kernels of one round by GPU time. Needs no model download:
 
-    python eval/device/round_cost.py --batches 1,8 --trees ar,64/6/8/v16384,32/5/8/v16384 --out $OUT/cost.json
+    python eval/device/round_cost.py --batches 1,8 --trees ar,64/6/8,32/5/8 --out $OUT/cost.json
 
 ``--temperatures 0,0.7`` times the sampling rounds too (top-p 1), ``--children top,sampled`` those with the
 tree's top children and/or children sampled from the drafter; ``--trace DIR`` writes a chrome trace of one
@@ -61,7 +61,8 @@ def random_generator(dtype: torch.dtype) -> SpeculativeGenerator:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--trees", default="ar,64/6/8/v16384")
+    p.add_argument("--trees", default="ar,64/6/8", help="comma-separated; the shipped EAGLE-3 head drafts over its own "
+                   "vocabulary, so no /v<draft_vocab> (that is for heads with a token ranking)")
     p.add_argument("--prompt-len", type=int, default=120)
     p.add_argument("--temperatures", default="0", help="comma-separated; 0 is greedy")
     p.add_argument("--children", default="top", help="comma-separated: top and/or sampled (sampling rows only)")
