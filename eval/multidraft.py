@@ -8,9 +8,15 @@ at T (MT-bench first turns), position by position:
 * sampled children: k candidates drawn one after the other without replacement from r = q_T, candidate i
   accepted with probability min(1, p_i(x_i) / r_i(x_i)), on rejection p_{i+1} = norm(max(p_i - r_i, 0)) and
   r_{i+1} = r_i without x_i, renormalised (recursive rejection sampling without replacement; the output is
-  distributed as p_T). Its acceptance is estimated by Monte Carlo (``sampled_acceptance``).
+  distributed as p_T). Its acceptance is estimated by Monte Carlo (``sampled_acceptance``);
+* with ``--truncate M,...``: the same children drawn from the head's top M tokens only (r = q_T restricted to
+  them, renormalised; ``truncated``). Any proposal keeps the rule lossless, and a proposal of M tokens lets a
+  verifier's rejection states be sums over M tokens instead of the vocabulary.
 
     python -m eval.multidraft --temperature 0.7 --prompts 8 --positions 300 --out eval/results/multidraft_cpu.json
+
+The head may be EAGLE-2-style (it predicts the target's next feature; the target's lm_head gives q) or
+EAGLE-3 (it reads the captured target layers and drafts over its own vocabulary; q is -inf off it).
 
 A per-level comparison only: a whole tree compounds the levels' acceptance along its paths.
 """
@@ -28,6 +34,7 @@ import torch
 
 from fsd_eagle.errors import InputError
 from fsd_eagle.jsonl import write_text_atomic
+from training.features import target_features
 
 KS = (1, 2, 4, 8)
 
@@ -77,10 +84,11 @@ def teacher_forced(model, tokenizer, head, prompts: list[str], temperature: floa
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and head logits ``[N, V]`` at every answer position of the target's own answers sampled at
     ``temperature``: the head reads the target's features up to the position before (EAGLE-2 drafting's
-    first level)."""
+    first level). An EAGLE-3 head's logits are -inf off its draft vocabulary."""
     from fsd_eagle.target import Target
 
     target = Target(model)
+    layers = head.config.layers if head.config.eagle3 else ()
     torch.manual_seed(seed)
     ps, qs = [], []
     for text in prompts:
@@ -90,18 +98,40 @@ def teacher_forced(model, tokenizer, head, prompts: list[str], temperature: floa
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                  temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=new_tokens)
-            f = target.base(input_ids=out, attention_mask=torch.ones_like(out)).last_hidden_state
-            pred = head.unroll(target.embed(out[:, 1:]), f[:, :-1], 1)[0]  # row t: f_{t+1} -> token t + 2
+            f, states = target_features(target, out, torch.ones_like(out, dtype=torch.bool), layers)
+            features = states if layers else f
+            pred = head.unroll(target.embed(out[:, 1:]), features[:, :-1], 1)[0]  # row t: x_{t+2}'s draft
             t = torch.arange(ids.shape[1] - 2, out.shape[1] - 2, device=out.device)
             ps.append(target.logits(f[0, t + 1]).float())
-            qs.append(target.logits(pred[0, t]).float())
+            qs.append(head_logits(head, target, pred[0, t]))
     return torch.cat(ps), torch.cat(qs)
 
 
+def head_logits(head, target, pred: torch.Tensor) -> torch.Tensor:
+    """The head's draft logits over every token ``[N, V]`` from its outputs ``pred`` ``[N, h]``: the target's
+    lm_head for an EAGLE-2-style head, the head's own over its draft vocabulary for EAGLE-3 (-inf elsewhere)."""
+    if not head.config.eagle3:
+        return target.logits(pred).float()
+    logits = head.draft_logits(pred)
+    ids = head.draft_ids()
+    if ids is None:
+        return logits
+    full = torch.full((logits.shape[0], target.vocab_size), float("-inf"), device=logits.device)
+    return full.scatter(1, ids.expand(logits.shape[0], -1), logits)
+
+
+def truncated(r: torch.Tensor, m: int) -> torch.Tensor:
+    """``r`` ``[N, V]`` restricted to each row's ``m`` most likely tokens, renormalised."""
+    top = r.topk(m, dim=-1)
+    kept = torch.zeros_like(r).scatter(1, top.indices, top.values)
+    return kept / kept.sum(1, keepdim=True)
+
+
 def measure(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, positions: int, draws: int,
-            seed: int) -> dict:
-    """Mean acceptance per k, deterministic and sampled, on ``positions`` rows chosen at random (the same
-    rows for both)."""
+            seed: int, truncate: tuple[int, ...] = ()) -> dict:
+    """Mean acceptance per k, deterministic and sampled (from the head's whole distribution, and from its
+    top m for each m in ``truncate``: ``sampled_{k}_top{m}``, k <= m), on ``positions`` rows chosen at
+    random (the same rows for all)."""
     g = torch.Generator().manual_seed(seed)
     rows = torch.randperm(p_logits.shape[0], generator=g)[:positions]
     p = torch.softmax(p_logits[rows] / temperature, -1)
@@ -110,6 +140,8 @@ def measure(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, 
     for k in KS:
         out[f"deterministic_{k}"] = round(float(deterministic_acceptance(p, q_logits[rows], k).mean()), 4)
         out[f"sampled_{k}"] = round(float(sampled_acceptance(p, r, k, draws, g).mean()), 4)
+        for m in (m for m in truncate if m >= k):
+            out[f"sampled_{k}_top{m}"] = round(float(sampled_acceptance(p, truncated(r, m), k, draws, g).mean()), 4)
     return out
 
 
@@ -126,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--positions", type=int, default=300, help="answer positions measured (at random)")
     ap.add_argument("--draws", type=int, default=64, help="Monte Carlo runs per position")
+    ap.add_argument("--truncate", default="", help="comma-separated m: also children sampled from the head's top m "
+                    "tokens only (e.g. 16,32,64)")
     ap.add_argument("--head", help="head folder (default: the shipped head)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -134,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError("--temperature must be > 0 (greedy decoding has no sampled children)")
     if min(a.prompts, a.new_tokens, a.positions, a.draws) < 1:
         raise InputError("--prompts, --new-tokens, --positions and --draws must be >= 1")
+    try:
+        truncate = tuple(int(m) for m in a.truncate.split(",") if m.strip())
+    except ValueError:
+        raise InputError(f"--truncate takes whole numbers separated by commas, got {a.truncate!r}") from None
+    if any(m < 1 for m in truncate):
+        raise InputError("--truncate sizes must be >= 1")
     quiet_transformers()
     device = torch.device("cpu")
     model, tokenizer = load_target(None, device, torch.float32)
@@ -145,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p_logits, q_logits = teacher_forced(model, tokenizer, head, [q.turns[0] for q in chosen], a.temperature,
                                         a.new_tokens, a.seed)
     result = {"temperature": a.temperature, "prompts": len(chosen), "answer_positions": int(p_logits.shape[0]),
-              **measure(p_logits, q_logits, a.temperature, a.positions, a.draws, a.seed),
+              **measure(p_logits, q_logits, a.temperature, a.positions, a.draws, a.seed, truncate),
               "head": a.head or "the shipped head (fsd_eagle/heads/SmolLM2-135M-Instruct)",
               "device": f"cpu ({platform.machine()})", **versions(), "commit": git_commit(short=True),
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - t, 1),

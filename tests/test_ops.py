@@ -49,7 +49,13 @@ def test_first_argmax_is_argmax(v, lead):
 
 
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
-def test_first_argmax_compiled_equals_eager():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_first_argmax_compiled_equals_eager(dynamic):
+    """Compiled (static shapes, or a symbolic row count as batched rounds compile it), full and partial last
+    chunks: argmax's index."""
     torch._dynamo.reset()
-    x = (torch.rand(2, 49152, generator=torch.Generator().manual_seed(1)) * 3).round()
-    assert torch.equal(torch.compile(first_argmax, dynamic=False)(x), x.argmax(-1))
+    gen = torch.Generator().manual_seed(1)
+    fn = torch.compile(first_argmax, dynamic=dynamic)
+    for rows, v in ((2, 49152), (3, 49152), (2, 5000)):
+        x = (torch.rand(rows, v, generator=gen) * 3).round()
+        assert torch.equal(fn(x), x.argmax(-1)), (rows, v)
