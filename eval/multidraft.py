@@ -85,9 +85,12 @@ def teacher_forced(model, tokenizer, head, prompts: list[str], temperature: floa
     """Target and head logits ``[N, V]`` at every answer position of the target's own answers sampled at
     ``temperature``: the head reads the target's features up to the position before (EAGLE-2 drafting's
     first level). An EAGLE-3 head's logits are -inf off its draft vocabulary."""
+    from fsd_eagle.drafter import EagleDrafter
     from fsd_eagle.target import Target
 
     target = Target(model)
+    drafter = EagleDrafter(head, target)  # its draft logits over every token (-inf off an EAGLE-3 vocabulary)
+    drafter.use_vocab(0)
     layers = head.config.layers if head.config.eagle3 else ()
     torch.manual_seed(seed)
     ps, qs = [], []
@@ -103,21 +106,8 @@ def teacher_forced(model, tokenizer, head, prompts: list[str], temperature: floa
             pred = head.unroll(target.embed(out[:, 1:]), features[:, :-1], 1)[0]  # row t: x_{t+2}'s draft
             t = torch.arange(ids.shape[1] - 2, out.shape[1] - 2, device=out.device)
             ps.append(target.logits(f[0, t + 1]).float())
-            qs.append(head_logits(head, target, pred[0, t]))
+            qs.append(drafter.logits(pred[0, t], full=True).float())
     return torch.cat(ps), torch.cat(qs)
-
-
-def head_logits(head, target, pred: torch.Tensor) -> torch.Tensor:
-    """The head's draft logits over every token ``[N, V]`` from its outputs ``pred`` ``[N, h]``: the target's
-    lm_head for an EAGLE-2-style head, the head's own over its draft vocabulary for EAGLE-3 (-inf elsewhere)."""
-    if not head.config.eagle3:
-        return target.logits(pred).float()
-    logits = head.draft_logits(pred)
-    ids = head.draft_ids()
-    if ids is None:
-        return logits
-    full = torch.full((logits.shape[0], target.vocab_size), float("-inf"), device=logits.device)
-    return full.scatter(1, ids.expand(logits.shape[0], -1), logits)
 
 
 def truncated(r: torch.Tensor, m: int) -> torch.Tensor:

@@ -239,7 +239,7 @@ def sampled_children_walk(tree: DraftTree, probs: torch.Tensor, fuzzy_ok: torch.
     kids, exists = child_slots(tree, slots)  # [B, n, slots]
     x = tree.tokens.gather(1, kids.flatten(1)).view(b, n, slots)  # the children's tokens, distinct per node
     rows = tree.q_row.clamp(min=0).unsqueeze(2).expand(b, n, tree.r_logits.shape[2])
-    r = (tree.r_logits.gather(1, rows).float() / temperature.view(-1, 1, 1)).softmax(-1)  # [B, n, V_d]
+    r = (tree.r_logits.float() / temperature.view(-1, 1, 1)).softmax(-1).gather(1, rows)  # [B, n, V_d], per node
     if vocab is None:
         p_d, outside, cols = probs, 0.0, x
     else:
