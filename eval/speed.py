@@ -19,6 +19,8 @@ over N GPUs (our rows only; rank 0 writes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import fnmatch
 import json
 import os
 import platform
@@ -81,6 +83,8 @@ def add_tree_arguments(p) -> None:
     p.add_argument("--depth", type=int)
     p.add_argument("--tree-top-k", type=int)
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
+    p.add_argument("--pool", type=int, help="sampled children drawn from each node's POOL most likely draft tokens "
+                                            "(0 = the whole draft vocabulary; default: the preset's)")
 
 
 def parse_trees(text: str | None) -> list:
@@ -278,6 +282,13 @@ def _label(row: dict, with_tree: bool = False) -> str:
     return name
 
 
+def row_wanted(patterns: list[str], row: dict, with_tree: bool = False) -> bool:
+    """Whether a row (its method, divergence, threshold, backend, sampling settings and tree) is one that
+    ``--rows`` asks for: its name (``_label``) matches one of the glob ``patterns``; every row without any."""
+    name = _label(row, with_tree)
+    return not patterns or any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
 def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
     """Copies of the method rows, rounded, with: speedup vs transformers ``generate`` and vs our AR with the
     same backend and sampling settings (same kernels; HF's row against the graph AR); for sampling rows, the
@@ -351,6 +362,11 @@ def load_prompts(source: str, limit: int) -> list[str]:
     return [q.turns[0] for q in load_mt_bench(limit=limit)]
 
 
+def row_patterns(text: str) -> list[str]:
+    """``--rows``: comma-separated glob patterns (empty: every row)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def sampling_rows(method: str, temperatures: list[float], children: list[str]) -> list[tuple[float, str]]:
     """The (temperature, children) of a method's rows, in order: each temperature, and when a drafting method
     samples, each kind of children (plain decoding and greedy rows have none to choose)."""
@@ -409,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                         "top children and/or children sampled from the drafter (top,sampled); rows of 'sampled' "
                         "are named ..._sampled")
     p.add_argument("--seed", type=int, default=0, help="sampling rows: prompt i is decoded with seed + i")
+    p.add_argument("--rows", default="",
+                   help="comma-separated glob patterns of row names, e.g. 'ar_*,eagle2_*,fsd_*_sampled': only the "
+                        "rows (and warm-ups) whose name matches one are measured (default: every row)")
     add_tree_arguments(p)
     p.add_argument("--trees", help="drafting rows with each of these trees (total/depth/top_k[/v<draft_vocab>], "
                                    "comma-separated; each row records its tree), instead of the one tree above")
@@ -464,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_main_rank():
         a.out = os.devnull
         sys.stdout = open(os.devnull, "w")
-    tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab)
+    tree = gen.set_tree(a.total_tokens, a.depth, a.tree_top_k, a.draft_vocab, a.pool)
     dev = gen.target.device
     prompts = load_prompts(a.prompts, a.limit)
     rows, outputs = [], {}
@@ -490,10 +509,15 @@ def main(argv: list[str] | None = None) -> int:
         gen.configure(cuda_graphs=backend != "eager", compile=backend == "compiled")
         for run_tree, methods_here in tree_runs:
             if run_tree is not None:
-                tree = gen.set_tree(run_tree.total_tokens, run_tree.depth, run_tree.top_k, run_tree.draft_vocab)
+                tree = gen.set_tree(**dataclasses.asdict(run_tree))
             for method, div, threshold, kwargs in methods_here:
                 for temperature, children in sampling_rows(method, temperatures, children_kinds):
                     sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
+                    planned = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
+                               **sampling, "children": children,
+                               "tree": "ar" if method == "ar" else gen.tree_for(temperature).label}
+                    if not row_wanted(row_patterns(a.rows), planned, with_tree=len(trees) > 1):
+                        continue
                     seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
                     row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs,
                                        **({"children": children} if children != "top" else {}))
@@ -509,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(row["name"], round(row["tokens_per_s"], 1), "tok/s", "tau", round(row["tau"], 2),
                           row["mode"], row["attention"], flush=True)
     if trees:  # the stage breakdown, memory and metadata: the first tree
-        tree = gen.set_tree(trees[0].total_tokens, trees[0].depth, trees[0].top_k, trees[0].draft_vocab)
+        tree = gen.set_tree(**dataclasses.asdict(trees[0]))
     rows = annotate(rows, outputs, device_name)
     extra = {}
     if dev.type == "cuda" and not a.rows_only:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Options of `eval speed` that decide what a configuration compiles (the rest are per-row or per-run).
 SHAPE_OPTIONS = ("target", "head", "draft_model", "device", "dtype", "threads", "prompts", "top_p", "seed",
-                 "total_tokens", "depth", "tree_top_k", "draft_vocab", "trees")
+                 "total_tokens", "depth", "tree_top_k", "draft_vocab", "pool", "trees")
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,13 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
             children: list[str]) -> list[Warmup]:
     """One short compiled `eval speed` run per row configuration of the parsed options ``a``: each method
     (hf needs no compilation), each FSD divergence:threshold, each temperature and, when sampling, each kind of
-    children (the same rows the full run measures, in the same order). FSD rows of one divergence share their
-    compiled code (the threshold is a number the round reads), so its first threshold stands for all."""
-    from eval.speed import sampling_rows
+    children (the same rows the full run measures, in the same order, less those that ``--rows`` leaves out).
+    FSD rows of one divergence share their compiled code (the threshold is a number the round reads), so its
+    first threshold stands for all."""
+    from eval.speed import parse_trees, row_patterns, row_wanted, sampling_rows
 
+    patterns = row_patterns(getattr(a, "rows", ""))
+    trees = [t.label for t in parse_trees(getattr(a, "trees", None))]
     common: list[str] = []
     for key in SHAPE_OPTIONS:
         value = getattr(a, key, None)
@@ -49,14 +52,23 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
     if getattr(a, "inductor_freezing", False):
         common.append("--inductor-freezing")
     common += ["--backends", "compiled", "--limit", "2", "--max-new-tokens", "16", "--repeats", "1", "--rows-only"]
+    common += ["--rows", a.rows] if patterns else []
     out = []
     for method in (m for m in methods if m in ("ar", "eagle2", "fsd")):
         first: dict[str, float] = {}  # each divergence's first threshold
         for d, t in fsd_rows:
             first.setdefault(d, t)
-        rules = [(f"{d}{t:g}", ["--fsd", f"{d}:{t:g}"]) for d, t in first.items()] if method == "fsd" else [("", [])]
-        for rule_name, rule_options in rules:
+        rules = ([(d, f"{d}{t:g}", ["--fsd", f"{d}:{t:g}"]) for d, t in first.items()] if method == "fsd"
+                 else [(None, "", [])])
+        for divergence, rule_name, rule_options in rules:
+            # the rows this compilation serves: every threshold of its divergence (one for other methods)
+            thresholds = [t for d, t in fsd_rows if d == divergence] if method == "fsd" else [None]
             for t, kind in sampling_rows(method, temperatures, children):
+                rows = [{"method": method, "divergence": divergence, "threshold": threshold, "backend": "compiled",
+                         "temperature": t, "top_p": a.top_p if t else 1.0, "children": kind,
+                         "tree": "ar" if method == "ar" else tree} for threshold in thresholds for tree in trees or [None]]
+                if not any(row_wanted(patterns, row, with_tree=len(trees) > 1) for row in rows):
+                    continue
                 name = f"{method}{rule_name}_t{t:g}" + ("_sampled" if kind == "sampled" else "")
                 out.append(Warmup(name, tuple(common + ["--methods", method, *rule_options, "--temperatures",
                                                         f"{t:g}", "--children", kind])))

@@ -184,7 +184,7 @@ class SpeculativeGenerator:
         return gen
 
     def set_tree(self, total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
-                 draft_vocab: int | None = None) -> TreeConfig:
+                 draft_vocab: int | None = None, pool: int | None = None) -> TreeConfig:
         """Use the tuned presets for this target and device (fsd_eagle/presets.json), with any value given
         here overriding them; returns the tree of one prompt at a time. Calls that decode several prompts
         together use the preset of their batch size (smaller trees, or plain autoregressive decoding, where
@@ -193,8 +193,8 @@ class SpeculativeGenerator:
         decoding. A preset's draft vocabulary applies only to a drafter with a
         token ranking (an EAGLE-2-style head trained here has one), not to an EAGLE-3 head such as the default
         model's shipped head (it drafts over its own vocabulary);
-        ``draft_vocab`` = 0 drafts among all tokens."""
-        overrides = dict(total_tokens=total_tokens, depth=depth, top_k=top_k, draft_vocab=draft_vocab)
+        ``draft_vocab`` = 0 drafts among all tokens; ``pool``: where sampled children come from (TreeConfig)."""
+        overrides = dict(total_tokens=total_tokens, depth=depth, top_k=top_k, draft_vocab=draft_vocab, pool=pool)
         tree = self._preset_tree(1, overrides)[0]
         self._check_tree(tree)
         self._tree, self._overrides = tree, overrides
@@ -259,6 +259,9 @@ class SpeculativeGenerator:
         if tree.draft_vocab > self.target.vocab_size:
             raise ConfigError(f"tree draft_vocab {tree.draft_vocab} exceeds the vocabulary size "
                               f"{self.target.vocab_size} (0 drafts among all tokens)")
+        if tree.pool > self.target.vocab_size:
+            raise ConfigError(f"tree pool {tree.pool} exceeds the vocabulary size {self.target.vocab_size} "
+                              "(0 draws sampled children from the whole draft vocabulary)")
         room = self.target.max_positions
         if tree.total_tokens + tree.depth + 2 >= room:
             raise ConfigError(f"a tree of {tree.total_tokens} tokens and depth {tree.depth} does not fit the "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 FUZZY_MODES = ("hybrid", "pure")
+OPTIONAL_TREE_KEYS = ("draft_vocab", "pool")  # TreeConfig fields that presets and results write only when set
 
 
 @dataclass(frozen=True)
@@ -26,21 +27,31 @@ class TreeConfig:
         instead of the whole vocabulary. 0 (or the vocabulary's size): every token; a generator refuses more
         than its vocabulary. Verification is unchanged, so outputs stay exact; only which tokens can be
         proposed changes.
+    pool: with sampled children (``SamplingConfig.children``), each expanded node's children are drawn from
+        the draft's ``pool`` most likely tokens (the draft distribution restricted to them, renormalised)
+        instead of from all of its vocabulary: still lossless (recursive rejection sampling is exact for any
+        proposal), and the rejection tests and each level's random keys then cover ``pool`` entries, not
+        the draft vocabulary. 0: the whole draft vocabulary. Ignored by top children and greedy calls.
     """
 
     total_tokens: int = 60
     depth: int = 6
     top_k: int = 10
     draft_vocab: int = 0
+    pool: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("total_tokens", "depth", "top_k", "draft_vocab"):
+        for name in ("total_tokens", "depth", "top_k", "draft_vocab", "pool"):
             value = getattr(self, name)
-            least = 0 if name == "draft_vocab" else 1
+            least = 0 if name in ("draft_vocab", "pool") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"tree {name} must be an integer >= {least}, got {value!r}")
         if 0 < self.draft_vocab < self.top_k:
             raise ConfigError(f"tree draft_vocab ({self.draft_vocab}) must be 0 or at least top_k ({self.top_k})")
+        if 0 < self.pool < self.top_k:
+            raise ConfigError(f"tree pool ({self.pool}) must be 0 or at least top_k ({self.top_k})")
+        if 0 < self.draft_vocab < self.pool:
+            raise ConfigError(f"tree pool ({self.pool}) must be at most draft_vocab ({self.draft_vocab})")
 
     @property
     def drafts(self) -> bool:
@@ -48,25 +59,34 @@ class TreeConfig:
 
     @property
     def label(self) -> str:
-        """"total/depth/top_k" (plus "/v<draft_vocab>" when the draft vocabulary is limited), "ar" without drafts."""
+        """"total/depth/top_k" (plus "/v<draft_vocab>" when the draft vocabulary is limited and "/p<pool>"
+        when sampled children come from a pool), "ar" without drafts."""
         if not self.drafts:
             return "ar"
-        return f"{self.total_tokens}/{self.depth}/{self.top_k}" + (f"/v{self.draft_vocab}" if self.draft_vocab else "")
+        return (f"{self.total_tokens}/{self.depth}/{self.top_k}" + (f"/v{self.draft_vocab}" if self.draft_vocab else "")
+                + (f"/p{self.pool}" if self.pool else ""))
 
     def to_dict(self) -> dict:
-        """The preset / results form: total_tokens, depth, top_k, and draft_vocab when it is set."""
+        """The preset / results form: total_tokens, depth, top_k, and draft_vocab and pool when they are set."""
         out = {"total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k}
-        return out | ({"draft_vocab": self.draft_vocab} if self.draft_vocab else {})
+        return out | {k: getattr(self, k) for k in OPTIONAL_TREE_KEYS if getattr(self, k)}
 
     @classmethod
     def parse(cls, text: str) -> "TreeConfig":
-        """The inverse of ``label``: "60/6/10" or "48/5/8/v16384" (the v is optional)."""
+        """The inverse of ``label``: "60/6/10", "48/5/8/v16384" (a bare fourth number is the draft
+        vocabulary too), "64/6/8/p16" or "64/6/8/v16384/p16"."""
         parts = text.strip().split("/")
-        if len(parts) == 4:
-            parts[3] = parts[3].removeprefix("v")
-        if len(parts) not in (3, 4) or not all(x.isdigit() for x in parts):
-            raise ConfigError(f"expected a tree as total/depth/top_k[/v<draft_vocab>] (e.g. 60/6/10), got {text!r}")
-        return cls(*map(int, parts))
+        extra = {}
+        for part in parts[3:]:
+            key = "pool" if part.startswith("p") else "draft_vocab"
+            if key in extra or (key == "draft_vocab" and "pool" in extra):
+                extra = None
+                break
+            extra[key] = part.removeprefix("p" if key == "pool" else "v")
+        if len(parts) < 3 or extra is None or not all(x.isdigit() for x in parts[:3] + list(extra.values())):
+            raise ConfigError("expected a tree as total/depth/top_k[/v<draft_vocab>][/p<pool>] (e.g. 60/6/10), "
+                              f"got {text!r}")
+        return cls(*map(int, parts[:3]), **{k: int(v) for k, v in extra.items()})
 
     @classmethod
     def parse_list(cls, text: str) -> list["TreeConfig"]:

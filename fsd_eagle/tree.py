@@ -28,8 +28,10 @@ class DraftTree:
     over every token at each expanded node (its children's distribution q_n; None unless asked for); q_row
     ``[B, n]``: row of q_logits for a node, -1 where the node was never expanded.
     max_depth: static bound on any node's depth (accepted paths have at most max_depth + 1 nodes).
-    r_logits ``[B, R, V_d]``: with sampled children, the draft logits over the draft vocabulary (``r_vocab``'s
-    ids, or every token when None) that each expanded node's children were drawn from (rows as q_row);
+    r_logits ``[B, R, S]``: with sampled children, the draft logits that each expanded node's children were
+    drawn from (rows as q_row), over S = V_d columns: the draft vocabulary (``r_vocab``'s ids, or every token
+    when None); or, when drawn from a pool (TreeConfig.pool), over each row's own S = pool most likely draft
+    tokens, whose ids are ``r_tokens`` ``[B, R, pool]``.
     max_children: the most children a node has (the tree's top_k; set with r_logits).
     """
 
@@ -43,6 +45,7 @@ class DraftTree:
     max_depth: int
     r_logits: torch.Tensor | None = None
     r_vocab: torch.Tensor | None = None
+    r_tokens: torch.Tensor | None = None
     max_children: int = 0
 
     @property
@@ -96,21 +99,28 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     ``with_q``: also return the draft's distributions over every token (q_logits; the fuzzy rule's q_n).
     ``rng`` (a RandomStream) and ``temperature`` ``[B]``: sampled children instead of the top k: each
     expanded node's k children are drawn without replacement from its draft distribution at the row's
-    temperature (Gumbel-top-k, keys from the stream's DRAW_CHILDREN draws), in the order drawn; the draws
-    get, in that order, the sorted log-probs of the drawn set, so that pruning keeps a prefix of the draws
-    (what recursive rejection sampling without replacement needs to stay lossless) while a node's budget
-    follows the quality of all its draws; the draft logits go with the tree (r_logits) for the verifier.
+    temperature (Gumbel-top-k, keys from the stream's DRAW_CHILDREN draws), in the order drawn, from the
+    whole draft vocabulary or from its ``cfg.pool`` most likely tokens; the draws get, in that order, the
+    sorted log-probs of the drawn set, so that pruning keeps a prefix of the draws (what recursive rejection
+    sampling without replacement needs to stay lossless) while a node's budget follows the quality of all
+    its draws; the proposal's logits (and a pool's token ids) go with the tree for the verifier.
     """
     k, depth, dev, vocab = cfg.top_k, cfg.depth, root_logits.device, drafter.vocab
     b, s = root_state.shape
+    pool = min(cfg.pool, root_logits.shape[-1])  # a pool larger than the draft vocabulary is all of it
+    proposals: list[Proposal] = []
 
     def children(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
         if rng is None:
             return _top_logprobs(logits, k, vocab)
         rows = logits.shape[0] // b
-        u = rng.uniform((rows, logits.shape[1]), DRAW_CHILDREN + level).flatten(0, 1)
+        u = rng.uniform((rows, pool or logits.shape[1]), DRAW_CHILDREN + level).flatten(0, 1)
         temp = temperature.repeat_interleave(rows).unsqueeze(1)
-        return _sampled_children(logits, k, vocab, temp, u)
+        if not pool:
+            return _sampled_children(logits, k, vocab, temp, u)
+        found = _pool_children(logits, k, pool, vocab, temp, u)
+        proposals.append(Proposal(found.logits.view(b, rows, pool), found.tokens.view(b, rows, pool)))
+        return found.scores, found.children
 
     score, tok = children(root_logits, 0)  # [B, k]
     cand_tok, cand_score, cand_parent, cand_depth = [tok], [score], [torch.full((b, k), -1, device=dev)], [1]
@@ -147,7 +157,30 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     tree = _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q, q_cands, cfg)
     if rng is None:
         return tree
+    if pool:
+        return replace(tree, r_logits=torch.cat([p.logits for p in proposals], 1),
+                       r_tokens=torch.cat([p.tokens for p in proposals], 1), max_children=k)
     return replace(tree, r_logits=torch.cat(q_logits, 1), r_vocab=vocab, max_children=k)
+
+
+@dataclass
+class Proposal:
+    """Where one draft level's sampled children came from, per expanded row: the pool's draft logits and
+    token ids, both ``[B, rows, pool]``."""
+
+    logits: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclass
+class PoolDraw:
+    """k children drawn from each row's pool (``_pool_children``): their scores and token ids ``[R, k]``,
+    the pool's logits and token ids ``[R, pool]``."""
+
+    scores: torch.Tensor
+    children: torch.Tensor
+    logits: torch.Tensor
+    tokens: torch.Tensor
 
 
 def _top_logprobs(logits: torch.Tensor, k: int, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +202,19 @@ def _sampled_children(logits: torch.Tensor, k: int, vocab: torch.Tensor | None, 
     _, col = topk(logits / temperature - torch.log(-torch.log(u)), k)
     logp = logits.gather(1, col) - logits.logsumexp(-1, keepdim=True)
     return logp.sort(dim=1, descending=True).values, (col if vocab is None else vocab[col])
+
+
+def _pool_children(logits: torch.Tensor, k: int, pool: int, vocab: torch.Tensor | None, temperature: torch.Tensor,
+                   u: torch.Tensor) -> PoolDraw:
+    """k tokens of each row of draft logits ``[R, V_d]`` drawn without replacement from the row's ``pool``
+    most likely tokens at temperature T (softmax of their logits / T: the Gumbel-top-k of the pool's logits
+    with the uniforms ``u`` ``[R, pool]``), in the order drawn, scored as ``_sampled_children`` scores."""
+    logits = logits.float()
+    vals, col = topk(logits, pool)  # [R, pool], the pool in descending order
+    _, drawn = topk(vals / temperature - torch.log(-torch.log(u)), k)  # positions in the pool, in draw order
+    logp = vals.gather(1, drawn) - logits.logsumexp(-1, keepdim=True)
+    tokens = col if vocab is None else vocab[col]
+    return PoolDraw(logp.sort(dim=1, descending=True).values, tokens.gather(1, drawn), vals, tokens)
 
 
 def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg: TreeConfig) -> DraftTree:

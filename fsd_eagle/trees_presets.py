@@ -42,7 +42,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import TreeConfig
+from .config import OPTIONAL_TREE_KEYS, TreeConfig
 from .errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -101,8 +101,9 @@ def tree_from_spec(spec, table: dict) -> TreeConfig:
         if spec not in shapes or isinstance(shapes[spec], str):
             raise ConfigError(f"unknown tree shape {spec!r} in the tree presets")
         spec = shapes[spec]
-    if not isinstance(spec, dict) or not set(TREE_KEYS) <= set(spec) <= set(TREE_KEYS) | {"draft_vocab"}:
-        raise ConfigError(f"a tree preset needs exactly {', '.join(TREE_KEYS)} (and optionally draft_vocab); got {spec!r}")
+    if not isinstance(spec, dict) or not set(TREE_KEYS) <= set(spec) <= set(TREE_KEYS) | set(OPTIONAL_TREE_KEYS):
+        raise ConfigError(f"a tree preset needs exactly {', '.join(TREE_KEYS)} (and optionally "
+                          f"{' and '.join(OPTIONAL_TREE_KEYS)}); got {spec!r}")
     return TreeConfig(**spec)
 
 
@@ -222,7 +223,7 @@ def preset_for(name: str, device_type: str, path: "str | Path | Traversable | No
 
 
 def with_overrides(base: TreeConfig, total_tokens: int | None = None, depth: int | None = None,
-                   top_k: int | None = None, draft_vocab: int | None = None) -> TreeConfig:
+                   top_k: int | None = None, draft_vocab: int | None = None, pool: int | None = None) -> TreeConfig:
     """``base`` with every value given here (not None) replacing its own."""
-    given = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k, "draft_vocab": draft_vocab}
+    given = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k, "draft_vocab": draft_vocab, "pool": pool}
     return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})

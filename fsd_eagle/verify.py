@@ -218,7 +218,7 @@ def sampled_children_walk(tree: DraftTree, probs: torch.Tensor, fuzzy_ok: torch.
     """Recursive rejection sampling without replacement over sampled children (``draft_tree`` with an rng).
 
     Walk down from the root; at node c with target distribution p (``probs [B, n, V]``, processed) and the
-    draft's r (``tree.r_logits`` at ``temperature [B]``, over the draft vocabulary), try c's children in the
+    draft's r (``tree.r_logits`` at ``temperature [B]``, over the draft vocabulary or the node's pool), try c's children in the
     order they were drawn: child x is accepted iff u < p(x) / r(x), u = ``uniforms [B, depth, slots]`` at
     (c's depth, x's slot); on rejection p becomes max(p - r, 0) renormalised and r loses x, renormalised.
     If every child is rejected, the fuzzy rule may still take the first child drawn (``fuzzy_ok [B, n]``:
@@ -231,21 +231,15 @@ def sampled_children_walk(tree: DraftTree, probs: torch.Tensor, fuzzy_ok: torch.
     tests are made at once, before the walk: ``_rejection_states`` over ``[B, n, V_d]`` (one sum over the
     draft vocabulary per child slot, for all nodes together); the walk then only follows each node's
     verdict, and the bonus distribution is written once, for the node where the walk ends. Tokens outside
-    the draft vocabulary have r = 0: they keep p, and enter the sums as one constant per node.
+    the draft vocabulary (or the pool) have r = 0: they keep p, and enter the sums as one constant per node,
+    so that with a pool every sum runs over its S entries.
 
     Returns the end node ``[B]``, the accepted lengths (root included) of this rule and of the exact rule
     alone ``[B]``, and the bonus distribution ``[B, V]`` (unnormalised)."""
-    (b, n), slots, vocab = tree.tokens.shape, tree.max_children, tree.r_vocab
+    (b, n), slots = tree.tokens.shape, tree.max_children
     kids, exists = child_slots(tree, slots)  # [B, n, slots]
     x = tree.tokens.gather(1, kids.flatten(1)).view(b, n, slots)  # the children's tokens, distinct per node
-    rows = tree.q_row.clamp(min=0).unsqueeze(2).expand(b, n, tree.r_logits.shape[2])
-    r = (tree.r_logits.float() / temperature.view(-1, 1, 1)).softmax(-1).gather(1, rows)  # [B, n, V_d], per node
-    if vocab is None:
-        p_d, outside, cols = probs, 0.0, x
-    else:
-        p_d = probs.gather(2, vocab.view(1, 1, -1).expand(b, n, -1))
-        outside = (probs.sum(-1) - p_d.sum(-1)).clamp(min=0)  # [B, n]: p's mass where r = 0
-        cols = _draft_columns(vocab, probs.shape[2]).gather(0, x.flatten()).view(b, n, slots)
+    r, p_d, outside, cols, support = _proposal_at_nodes(tree, probs, temperature, x)
     px, rx = probs.gather(2, x), r.gather(2, cols)  # [B, n, slots]
     coef, mass, r_mass, kept = _rejection_states(p_d, r, px, rx, exists, outside)
     p_x = (px - coef[..., :slots] * rx).clamp(min=0)  # each child's p (unnormalised) when its turn comes
@@ -271,11 +265,34 @@ def sampled_children_walk(tree: DraftTree, probs: torch.Tensor, fuzzy_ok: torch.
     p_end = pick(probs, cur)
     if not pure:
         r_end = pick(r, cur)
-        if vocab is not None:
-            r_end = torch.zeros_like(p_end).scatter(1, vocab.expand(b, -1), r_end)
+        if support is not None:
+            r_end = torch.zeros_like(p_end).scatter(1, pick(support, cur), r_end)
         p_end = _residual_after_all(p_end, r_end, pick(x, cur), pick(px, cur), pick(rx, cur), pick(exists, cur),
                                     pick(coef, cur)[:, -1:], pick(mass, cur)[:, -1:], pick(kept, cur))
     return cur, n_acc, exact_len, p_end
+
+
+def _proposal_at_nodes(tree: DraftTree, probs: torch.Tensor, temperature: torch.Tensor, x: torch.Tensor):
+    """The children's proposal r at every node and the target's p on r's columns.
+
+    probs ``[B, n, V]``; x ``[B, n, slots]``: each node's children's tokens. Returns r ``[B, n, S]`` (the
+    draft at ``temperature`` over the node's S columns: the draft vocabulary, every token, or the node's
+    pool), p_d ``[B, n, S]`` (p there), outside ``[B, n]`` (p's mass off those columns; 0 when they are every
+    token), cols ``[B, n, slots]`` (each child's column) and support: the columns' token ids ``[B, n, S]``
+    (None: column i is token i)."""
+    b, n, slots = x.shape
+    rows = tree.q_row.clamp(min=0).unsqueeze(2).expand(b, n, tree.r_logits.shape[2])
+    r = (tree.r_logits.float() / temperature.view(-1, 1, 1)).softmax(-1).gather(1, rows)
+    if tree.r_tokens is not None:  # a pool per expanded row: find each child among its parent's pool
+        support = tree.r_tokens.gather(1, rows)
+        cols = torch.argmax((support.unsqueeze(3) == x.unsqueeze(2)).int(), 2)
+    elif tree.r_vocab is not None:
+        support = tree.r_vocab.view(1, 1, -1).expand(b, n, -1)
+        cols = _draft_columns(tree.r_vocab, probs.shape[2]).gather(0, x.flatten()).view(b, n, slots)
+    else:
+        return r, probs, 0.0, x, None
+    p_d = probs.gather(2, support)
+    return r, p_d, (probs.sum(-1) - p_d.sum(-1)).clamp(min=0), cols, support
 
 
 def _draft_columns(vocab: torch.Tensor, size: int) -> torch.Tensor:

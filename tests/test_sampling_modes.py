@@ -284,6 +284,68 @@ def test_the_sampling_test_fails_broken_sampled_children(monkeypatch, mode, brok
     assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3
 
 
+POOL_TREE = TreeConfig(total_tokens=6, depth=2, top_k=3, pool=4)  # children from each node's 4 likeliest drafts
+
+
+def _drop_outside_mass(monkeypatch):
+    """Children from a pool: forget the target's mass outside the pool (the rejection sums then miss it)."""
+    proposal = verify_module._proposal_at_nodes
+
+    def without_outside(*args):
+        r, p_d, outside, cols, support = proposal(*args)
+        return r, p_d, 0.0, cols, support
+
+    monkeypatch.setattr(verify_module, "_proposal_at_nodes", without_outside)
+
+
+def _proposal_not_truncated(monkeypatch):
+    """Children from a pool, verified as if drawn from a distribution with more mass outside the pool: r
+    halved on the pool (as if half the draft's mass lay elsewhere), not the distribution the children came
+    from."""
+    proposal = verify_module._proposal_at_nodes
+
+    def untruncated(tree, probs, temperature, x):
+        r, p_d, outside, cols, support = proposal(tree, probs, temperature, x)
+        return r * 0.5, p_d, outside, cols, support
+
+    monkeypatch.setattr(verify_module, "_proposal_at_nodes", untruncated)
+
+
+BROKEN_POOL = {"keep_residual": _keep_residual, "drop_outside_mass": _drop_outside_mass,
+               "proposal_not_truncated": _proposal_not_truncated}
+
+
+@pytest.mark.parametrize("mode", MODES.values())
+def test_children_from_a_pool_are_lossless_in_every_mode(mode):
+    """Children drawn from each node's pool (its top 4 of STAT_VOCAB draft tokens) and verified by recursive
+    rejection sampling without replacement over the pool: the target's distribution through every
+    execution mode."""
+    torch._dynamo.reset()
+    device = "cuda" if mode in ("graph", "compiled_graph") else "cpu"
+    engine, prompt, first, second = stat_setup_on(device)
+    rule = AcceptanceRule(SamplingConfig(temperature=0.7, top_p=0.9, children="sampled"))
+    session = make_mode_session(mode, engine, POOL_TREE, rule.form)
+    n = 2000
+    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=5)
+    assert accept_rate > 0.3
+    assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 0.7, 0.9), n) > 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES.values())
+@pytest.mark.parametrize("broken", sorted(BROKEN_POOL))
+def test_the_sampling_test_fails_broken_pool_children(monkeypatch, mode, broken):
+    BROKEN_POOL[broken](monkeypatch)
+    torch._dynamo.reset()
+    device = "cuda" if mode in ("graph", "compiled_graph") else "cpu"
+    engine, prompt, first, second = stat_setup_on(device)
+    rule = AcceptanceRule(SamplingConfig(temperature=1.0, children="sampled"))
+    session = make_mode_session(mode, engine, POOL_TREE, rule.form)
+    n = 600
+    counts, _ = sample_pairs_with(session, prompt, rule, n, seed=5)
+    torch._dynamo.reset()
+    assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3
+
+
 def _rewritten_each_rejection(p, r, x, slots_there):
     """The definition, one row: before each child, p(x) and r(x) of the current distributions; after a
     rejection p = max(p - r, 0) renormalised and r without x, renormalised. Returns them and the last p."""
@@ -321,11 +383,12 @@ def test_rejections_follow_one_coefficient(seed):
         assert torch.allclose(last[i], p_last, atol=1e-6)
 
 
-def _sampled_tree(shape, subset: bool, temperature: float, seed: int):
-    """Two rows' trees with children sampled from a PathDrafter (over a draft vocabulary with ``subset``),
-    the target's logits ``[2, n, V]`` and the rows' random stream at the step the tree was drawn with."""
+def _sampled_tree(shape, subset: bool, temperature: float, seed: int, pool: int = 0):
+    """Two rows' trees with children sampled from a PathDrafter (over a draft vocabulary with ``subset``;
+    from each node's ``pool`` most likely draft tokens when set), the target's logits ``[2, n, V]`` and the
+    rows' random stream at the step the tree was drawn with."""
     total, depth, k, n_vocab, _ = shape
-    cfg = TreeConfig(total_tokens=total, depth=depth, top_k=k)
+    cfg = TreeConfig(total_tokens=total, depth=depth, top_k=k, pool=pool)
     vocab = torch.randperm(n_vocab, generator=torch.Generator().manual_seed(seed))[: max(k, n_vocab // 2)]
     drafter = PathDrafter(n_vocab, cfg, seed, vocab=vocab if subset else None)
     roots = [seed % n_vocab, (seed * 7 + 3) % n_vocab]
@@ -351,7 +414,10 @@ def _reference_sampled_walk(tree, probs, fuzzy: bool, pure: bool, temperature: f
             break
         p = probs[b, cur].clone()
         r_d = (tree.r_logits[b, q_row[cur]].float() / temperature).softmax(-1)
-        r = r_d if tree.r_vocab is None else torch.zeros_like(p).index_copy(0, tree.r_vocab, r_d)
+        if tree.r_tokens is not None:
+            r = torch.zeros_like(p).index_copy(0, tree.r_tokens[b, q_row[cur]], r_d)
+        else:
+            r = r_d if tree.r_vocab is None else torch.zeros_like(p).index_copy(0, tree.r_vocab, r_d)
         taken = None
         for slot, child in enumerate(kids):
             x = tokens[child]
@@ -374,13 +440,16 @@ def _reference_sampled_walk(tree, probs, fuzzy: bool, pure: bool, temperature: f
 @settings(max_examples=40, deadline=None)
 @given(shape=st.tuples(st.integers(2, 60), st.integers(1, 5), st.integers(1, 5), st.integers(8, 40), st.integers(0, 10_000)),
        subset=st.booleans(), temperature=st.sampled_from([0.6, 1.0]), top_p=st.sampled_from([0.8, 1.0]),
-       fuzzy=st.sampled_from(["exact", "hybrid", "pure"]))
-def test_sampled_children_verdicts_follow_the_definition(shape, subset, temperature, top_p, fuzzy):
+       fuzzy=st.sampled_from(["exact", "hybrid", "pure"]), pool_extra=st.sampled_from([None, 0, 1, 3]))
+def test_sampled_children_verdicts_follow_the_definition(shape, subset, temperature, top_p, fuzzy, pool_extra):
     """sampled_children_walk makes every node's tests at once and then walks; a walk that rewrites p and r
     after each rejection (the definition) accepts the same nodes and ends with the same bonus distribution,
-    row by row, with and without a draft vocabulary (its ids in no order), for the exact rule and for both
-    fuzzy modes at T = inf (which take the first child drawn)."""
-    tree, logits, rng = _sampled_tree(shape, subset, temperature, shape[4])
+    row by row, with and without a draft vocabulary (its ids in no order), with children from the whole
+    draft vocabulary or from a pool of each node's top k + ``pool_extra`` draft tokens, for the exact rule and
+    for both fuzzy modes at T = inf (which take the first child drawn)."""
+    pool = 0 if pool_extra is None else shape[2] + pool_extra
+    tree, logits, rng = _sampled_tree(shape, subset, temperature, shape[4], pool)
+    assert (tree.r_tokens is not None) == (pool > 0)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, children="sampled")
     rule = AcceptanceRule(sampling) if fuzzy == "exact" else \
         AcceptanceRule(sampling, FuzzyConfig(threshold=float("inf"), mode=fuzzy))

@@ -489,6 +489,25 @@ def test_trees_argument():
             tune._trees(bad)
 
 
+def test_a_tree_with_a_pool_of_sampled_children():
+    """TreeConfig.pool: where sampled children come from; in labels, presets and results only when set, and
+    refused (one line) below top_k, above the draft vocabulary, or written twice."""
+    from fsd_eagle.trees_presets import tree_from_spec
+
+    tree = TreeConfig.parse("64/6/8/v16384/p16")
+    assert tree == TreeConfig(64, 6, 8, 16384, pool=16) and tree.label == "64/6/8/v16384/p16"
+    assert TreeConfig.parse("64/6/8/p32") == TreeConfig(64, 6, 8, pool=32)
+    assert tree.to_dict() == {"total_tokens": 64, "depth": 6, "top_k": 8, "draft_vocab": 16384, "pool": 16}
+    assert tree_from_spec(tree.to_dict(), {}) == tree and "pool" not in TreeConfig(64, 6, 8).to_dict()
+    for bad, why in (("64/6/8/p4", "pool \\(4\\) must be 0 or at least top_k"),
+                     ("64/6/8/v16/p32", "at most draft_vocab"), ("64/6/8/p16/p16", "total/depth/top_k"),
+                     ("64/6/8/p16/v100", "total/depth/top_k"), ("64/6/8/p", "total/depth/top_k")):
+        with pytest.raises(ConfigError, match=why):
+            TreeConfig.parse(bad)
+    with pytest.raises(ConfigError, match="optionally draft_vocab and pool"):
+        tree_from_spec({"total_tokens": 4, "depth": 2, "top_k": 2, "pools": 3}, {})
+
+
 def test_a_preset_records_the_heads_weights(tmp_path):
     """A preset names the head it was tuned with by its weights' sha256 (the shipped head changes)."""
     import hashlib

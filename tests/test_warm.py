@@ -16,7 +16,7 @@ from eval.warm import run_side_by_side, warmups  # noqa: E402
 def _options(**kw) -> Namespace:
     base = dict(target=None, head="heads/h", draft_model=None, device="cuda", dtype="bfloat16", threads=None,
                 prompts="mt_bench", top_p=1.0, seed=0, total_tokens=None, depth=None, tree_top_k=None,
-                draft_vocab=None, trees=None, inductor_freezing=False)
+                draft_vocab=None, pool=None, trees=None, inductor_freezing=False, rows="")
     return Namespace(**{**base, **kw})
 
 
@@ -39,6 +39,26 @@ def test_one_warmup_per_row_configuration():
     assert len({j.name for j in jobs}) == len(jobs)
     several = warmups(_options(), ["fsd"], [("kl", 1.0), ("reverse_kl", 1.0), ("kl", 2.0)], [0.0], ["top"])
     assert [j.name for j in several] == ["fsdkl1_t0", "fsdreverse_kl1_t0"]  # kl:2 compiles what kl:1 does
+
+
+def test_rows_choose_what_is_measured_and_warmed():
+    """--rows: glob patterns of row names; warm-ups only for the configurations of rows it keeps (with several
+    trees, names carry the tree), and each warm-up measures only those rows."""
+    from eval.speed import row_patterns, row_wanted
+
+    patterns = row_patterns("ar_*, eagle2_64-6-8-p16_*,eagle2_64-6-8-p32_compiled_t0.7_sampled,fsd_*p16*sampled")
+    sampled = {"method": "fsd", "divergence": "kl", "threshold": 1.0, "backend": "compiled", "temperature": 0.7,
+               "top_p": 1.0, "children": "sampled", "tree": "64/6/8/p16"}
+    assert row_wanted(patterns, sampled, with_tree=True)
+    assert not row_wanted(patterns, {**sampled, "children": "top"}, with_tree=True)
+    assert not row_wanted(patterns, {**sampled, "tree": "64/6/8/p32"}, with_tree=True)
+    assert row_wanted([], {**sampled, "children": "top"})
+    a = _options(trees="64/6/8/p16,64/6/8/p32", rows=",".join(patterns))
+    jobs = warmups(a, ["ar", "eagle2", "fsd"], [("kl", 1.0), ("reverse_kl", 1.0)], [0.0, 0.7], ["top", "sampled"])
+    assert [j.name for j in jobs] == ["ar_t0", "ar_t0.7", "eagle2_t0", "eagle2_t0.7", "eagle2_t0.7_sampled",
+                                      "fsdkl1_t0.7_sampled", "fsdreverse_kl1_t0.7_sampled"]
+    assert all(j.options[j.options.index("--rows") + 1] == a.rows for j in jobs)
+    assert len(warmups(_options(rows="hf_*"), ["ar", "eagle2"], [], [0.0], ["top"])) == 0
 
 
 def test_side_by_side_reports_each_status(tmp_path):

@@ -15,6 +15,7 @@ the first batch size above 1 the others start without compiling.
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -82,7 +83,7 @@ def main() -> None:
                 continue  # only drafting rows that sample have children to sample
             if not ar:
                 t = TreeConfig.parse(name)
-                gen.set_tree(t.total_tokens, t.depth, t.top_k, t.draft_vocab)
+                gen.set_tree(**dataclasses.asdict(t))
             call = dict(batch_size=b, autoregressive=ar, temperature=temperature, seed=0, children=children)
             start = time.perf_counter()
             gen.generate(prompts, max_new_tokens=16, **call)
