@@ -378,13 +378,30 @@ def capture(fn, state: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGr
 def failure(e: BaseException) -> str:
     """One line on why ``e`` was raised: its first line and, from the innermost exception it wraps (inductor
     wraps its own errors, often an assertion without a message), that one's type and the file and line
-    where it was raised."""
+    where it was raised; when that one stands for an error in inductor's compile workers (their
+    ``SubprocException`` carries the worker's traceback as ``details``), also the worker's own error."""
     inner = e
     while (wrapped := inner.__cause__ or getattr(inner, "inner_exception", None)) is not None:
         inner = wrapped
     where = traceback.extract_tb(inner.__traceback__)
-    place = f" ({type(inner).__name__} at {Path(where[-1].filename).name}:{where[-1].lineno})" if where else ""
-    return (str(e).splitlines() or [type(e).__name__])[0] + place
+    place = f"{type(inner).__name__} at {Path(where[-1].filename).name}:{where[-1].lineno}" if where else ""
+    details = getattr(inner, "details", None)
+    if isinstance(details, str) and details.strip():
+        place += ("; " if place else "") + "in the worker: " + worker_error(details)
+    return (str(e).splitlines() or [type(e).__name__])[0] + (f" ({place})" if place else "")
+
+
+def worker_error(details: str, limit: int = 400) -> str:
+    """The error of a formatted traceback ``details``, on one line of at most ``limit`` characters: the line
+    that names the last exception (the first unindented line after the last "Traceback"), and the last line
+    when the message runs over several (Triton's compilation errors end with the reason)."""
+    lines = details.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    after = lines[starts[-1] + 1:] if starts else lines
+    named = next((line for line in after if line.strip() and not line[0].isspace()), after[-1] if after else "")
+    last = lines[-1].strip() if lines else ""
+    text = named.strip() + (f" ... {last}" if last and last != named.strip() else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _next_tokens(tree: DraftTree, verdict: Verdict) -> torch.Tensor:

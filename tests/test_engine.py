@@ -1494,6 +1494,35 @@ def test_a_failed_capture_says_where_the_wrapped_error_was_raised():
             assert failure(e) == f"backend compiler failed (AssertionError at test_engine.py:{line})"
 
 
+def test_a_failed_capture_names_the_compile_workers_error():
+    """decode.failure on inductor's SubprocException (a kernel that failed to compile in a compile worker):
+    the worker's error, the line naming it and the last line of a message over several lines, on one line."""
+    from torch._inductor.compile_worker.subproc_pool import SubprocException
+
+    from fsd_eagle.decode import failure, worker_error
+
+    details = ("Traceback (most recent call last):\n"
+               '  File "worker.py", line 3, in run\n'
+               "    compile(kernel)\n"
+               "triton.compiler.errors.CompilationError: at 7:12:\n"
+               "    x = tl.load(ptr + offs)\n"
+               "            ^\n"
+               "ValueError('arange's range must be a power of 2')\n")
+    try:
+        try:
+            raise SubprocException(details)
+        except SubprocException as e:
+            raise RuntimeError("backend compiler failed") from e
+    except RuntimeError as e:
+        text = failure(e)
+    assert "\n" not in text
+    assert text.startswith("backend compiler failed (SubprocException at test_engine.py:")
+    assert text.endswith("in the worker: triton.compiler.errors.CompilationError: at 7:12: ... "
+                         "ValueError('arange's range must be a power of 2'))")
+    assert worker_error("Traceback (most recent call last):\n  File \"a\", line 1\nKeyError: 'x'\n") == "KeyError: 'x'"
+    assert len(worker_error("E: " + "y" * 1000)) == 400
+
+
 def _graph_signature(gm) -> tuple:
     """What makes two dynamo graphs the same compilation: their code and their inputs' (symbolic) sizes."""
     inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
