@@ -98,7 +98,8 @@ case "$*" in
     [ -f "$out/distilled.jsonl.gz" ] || { echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json"; } ;;
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
   "-m eval tau"*) mkdir -p "$out"; echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
-  "-m eval speed"*) mkdir -p "$(dirname "$out")"; echo '{"rows": []}' > "$out" ;;
+  "-m eval speed"*) mkdir -p "$(dirname "$out")"; echo '{"rows": []}' > "$out"
+    case " $* " in *" --warm "*) mkdir -p "${out%.json}.warm"; echo "warm-up log" > "${out%.json}.warm/ar_t0.log" ;; esac ;;
   "-m eval sweep"*) mkdir -p "$out/raw"; sleep 1 ;;
   *) echo "default target at /nowhere" ;;
 esac
@@ -231,6 +232,19 @@ def test_batch_script_runs_several_speed_benchmarks_once_each(tmp_path):
         f"-m eval speed --limit 80 --inductor-freezing --out {res}/gpu_speed_run_2.json"]
     assert sorted(f.name for f in out.iterdir()) == ["batch.log", "gpu_speed_run.json", "gpu_speed_run_2.json"]
     assert not list(res.glob("kernels*"))
+
+
+def test_batch_script_brings_back_the_speed_runs_warm_up_logs(tmp_path):
+    """A speed run with --warm leaves each configuration's log in a folder beside its result file (where a
+    compilation that failed says why): batch.sh sends those folders back as one archive."""
+    import tarfile
+
+    _, out = run_host_script(tmp_path, "batch.sh", [], "benchmark ended, status 0", BATCH="0", KERNELS="0",
+                             SPEED="--limit 80 --warm 2")
+    assert sorted(f.name for f in out.iterdir()) == ["batch.log", "gpu_speed_run.json", "warm_logs.tgz"]
+    with tarfile.open(out / "warm_logs.tgz") as archive:
+        log = archive.extractfile("gpu_speed_run.warm/ar_t0.log")
+        assert log is not None and log.read() == b"warm-up log\n"
 
 
 def test_batch_script_warms_each_method_once_before_the_benchmark(tmp_path):

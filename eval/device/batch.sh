@@ -111,6 +111,11 @@ tail -n 25 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cp "$RES/log" "$OUT/batch.log" 2> /dev/null || true
   cp "$RES/gpu_batch.json" "$RES/presets.json" "$RES"/gpu_speed_run*.json "$OUT/" 2> /dev/null || true
+  # The speed runs' warm-up folders (each configuration's rows and log: a compilation that failed says why
+  # there), as one file: what comes back is a few files.
+  if compgen -G "$RES/gpu_speed_run*.warm" > /dev/null; then
+    (cd "$RES" && tar czf "$OUT/warm_logs.tgz" gpu_speed_run*.warm) || true
+  fi
   # Compressed once per change of the kernels file; pieces of 15 MiB where the whole would not come back.
   if [ -n "${FSD_EAGLE_COMPILE_CACHE:-}" ] && [ -f "$FSD_EAGLE_COMPILE_CACHE" ]; then
     if [ ! -f "$RES/kernels.bin.xz" ] || [ "$FSD_EAGLE_COMPILE_CACHE" -nt "$RES/kernels.bin.xz" ]; then
