@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
                     row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs,
-                                       **({"children": children} if children != "top" else {}))
+                                       children=children)  # as named: a pool tree's default would be "sampled"
                     row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
                            **sampling, **({"children": children} if children != "top" else {}),
                            "tree": "ar" if method == "ar" else gen.tree_for(temperature).label, "prompts": len(prompts),

@@ -320,7 +320,7 @@ class SpeculativeGenerator:
         return list(ids)
 
     def _prepare(self, prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive,
-                 children: str = "top") -> _Call:
+                 children: str = "auto") -> _Call:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, children=children)
@@ -349,7 +349,7 @@ class SpeculativeGenerator:
                top_p: float = 1.0, top_k: int = 0, fuzzy: FuzzyConfig | None = None,
                seed: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
                chat: bool | None = None, autoregressive: bool = False, with_result: bool = False,
-               batch_size: int | None = None, children: str = "top") -> Iterator:
+               batch_size: int | None = None, children: str = "auto") -> Iterator:
         """Yield text pieces as they are accepted, then (only with ``with_result``) the GenerationResult
         with the call's statistics; see ``generate`` for the other arguments. Given a list of prompts,
         yield ``(index, piece)`` pairs instead, pieces of all prompts interleaved as rounds complete (and
@@ -377,7 +377,7 @@ class SpeculativeGenerator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, chat: bool | None = None,
-                 autoregressive: bool = False, batch_size: int | None = None, children: str = "top"
+                 autoregressive: bool = False, batch_size: int | None = None, children: str = "auto"
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate up to ``max_new_tokens`` tokens after ``prompt``; given a list of prompts (strings, or
         lists of messages or token ids), a list of results in input order (see ``generate_many``).
@@ -387,8 +387,10 @@ class SpeculativeGenerator:
         text) or at max_new_tokens. ``autoregressive`` decodes without a drafter (the baseline).
         ``children`` (sampling): "top" drafts each node's most likely tokens, "sampled" draws them from the
         drafter at the temperature (speculative sampling; for chains of a draft model, top_k 1, it accepts
-        more); with the exact rule both give the target's distribution; with ``fuzzy`` the first child
-        drawn is the one the fuzzy test may accept.
+        more); "auto" (the default) is "sampled" where the call's tree draws children from a pool
+        (``TreeConfig.pool``: a preset's sampling tree, or ``set_tree(pool=...)``), else "top"; with the
+        exact rule all give the target's distribution; with ``fuzzy`` the first child drawn is the one the
+        fuzzy test may accept.
 
         One call runs at a time (the KV caches and round state are the generator's): a call from another
         thread waits for the running one; a call while this thread's own ``stream`` iterator is unfinished
@@ -412,7 +414,7 @@ class SpeculativeGenerator:
                       top_p: float = 1.0, top_k: int = 0, fuzzy: FuzzyConfig | None = None,
                       seed: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
                       chat: bool | None = None, autoregressive: bool = False,
-                      batch_size: int | None = None, children: str = "top") -> Iterator[tuple[int, GenerationResult]]:
+                      batch_size: int | None = None, children: str = "auto") -> Iterator[tuple[int, GenerationResult]]:
         """Generate for many prompts; yield ``(index, result)`` as each prompt finishes (completion order,
         ``index`` into ``prompts``). Up to ``batch_size`` prompts (default: all, at most 64) decode together,
         one target forward per round for all of them; a prompt that finishes frees its row for the next one
@@ -432,7 +434,7 @@ class SpeculativeGenerator:
         return min(batch_size or BUCKETS[-1], prompts, BUCKETS[-1])
 
     def _prepare_many(self, prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
-                      autoregressive, batch_size, children: str = "top") -> list[_Call]:
+                      autoregressive, batch_size, children: str = "auto") -> list[_Call]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise InputError("prompts must be a list of prompts")
         prompts = list(prompts)
@@ -457,7 +459,7 @@ class SpeculativeGenerator:
         return calls
 
     def session(self, autoregressive: bool = False, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                fuzzy: FuzzyConfig | None = None, batch: int = 1, children: str = "top") -> Session:
+                fuzzy: FuzzyConfig | None = None, batch: int = 1, children: str = "auto") -> Session:
         """The session that a call with these arguments uses now (same tree, graph and compile settings;
         ``batch`` prompts decoded together: the batch's tree, rows rounded up to a bucket): for tools that time or inspect rounds (its ``graph``,
         ``prefills``, ``state``, ``mode``, ``launch``)."""
@@ -471,7 +473,7 @@ class SpeculativeGenerator:
         (``_batch_tree``: its size's, greedy or sampling)."""
         tree, drafts = self._batch_tree(rows, not rule.form.greedy)
         drafting = drafting and drafts and self.engine.has_drafter and tree.drafts
-        form = rule.form if drafting else rule.form.exact()
+        form = rule.form_for(tree) if drafting else rule.form.exact()
         graphs = self._cuda_graphs and self.target.device.type == "cuda"
         plan = Plan(tree, form, drafting, graphs, self._compile and graphs, self._attention, session_rows(rows))
         if plan not in self._sessions:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import CHILDREN
 from .errors import FSDError, InputError, exit_out_of_memory
 from .jsonl import json_type, parse_object
 
@@ -62,9 +63,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--children", choices=("top", "sampled"), default="top",
+    p.add_argument("--children", choices=CHILDREN, default="auto",
                    help="sampling: draft each node's most likely tokens (top) or draw them from the drafter at "
-                        "the temperature (sampled: speculative sampling; more accepted with a chain)")
+                        "the temperature (sampled: speculative sampling; more accepted with a chain); auto: "
+                        "sampled where the tree draws children from a pool, else top")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--total-tokens", type=int, default=None, help="tree nodes per round, root included")

@@ -31,7 +31,8 @@ class TreeConfig:
         the draft's ``pool`` most likely tokens (the draft distribution restricted to them, renormalised)
         instead of from all of its vocabulary: still lossless (recursive rejection sampling is exact for any
         proposal), and the rejection tests and each level's random keys then cover ``pool`` entries, not
-        the draft vocabulary. 0: the whole draft vocabulary. Ignored by top children and greedy calls.
+        the draft vocabulary. 0: the whole draft vocabulary. Ignored by top children and greedy calls;
+        children "auto" (the API's default) are sampled on a tree with a pool.
     """
 
     total_tokens: int = 60
@@ -103,6 +104,7 @@ class TreeConfig:
 # distribution becomes NaN, so values beyond these bounds (far past any useful setting) are refused.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 MIN_TOP_P = 1e-6
+CHILDREN = ("auto", "top", "sampled")  # SamplingConfig.children
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ class SamplingConfig:
     children: which draft tokens the tree offers under sampling: "top" (each node's k most likely, the
     default) or "sampled" (k drawn without replacement from the draft at the temperature, verified by
     recursive rejection sampling without replacement; also lossless; under FSD the first child drawn, a
-    sample of the draft, is the one the fuzzy test may accept).
+    sample of the draft, is the one the fuzzy test may accept); "auto": the tree's choice, "sampled" when
+    it draws children from a pool (``TreeConfig.pool``, e.g. a preset's sampling tree), else "top"
+    (``AcceptanceRule.form_for``).
     """
 
     temperature: float = 0.0
@@ -136,8 +140,8 @@ class SamplingConfig:
                               f"top_k=1 does), got {p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.children not in ("top", "sampled"):
-            raise ConfigError(f"children must be 'top' or 'sampled', got {self.children!r}")
+        if self.children not in CHILDREN:
+            raise ConfigError(f"children must be 'auto', 'top' or 'sampled', got {self.children!r}")
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import FuzzyConfig, SamplingConfig
+from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .divergence import divergence
 from .ops import pick
 from .rng import DRAW_ACCEPT, DRAW_TOKEN, RandomStream
@@ -37,10 +37,17 @@ class AcceptanceRule:
     @property
     def form(self) -> RuleForm:
         """What a round's code depends on (the rest are numbers, ``values``): one captured graph or compiled
-        round serves every temperature, top-p, top-k and threshold of a form."""
+        round serves every temperature, top-p, top-k and threshold of a form. Children "auto" count as
+        "top" here: ``form_for`` resolves them with the tree."""
+        return self.form_for(None)
+
+    def form_for(self, tree: TreeConfig | None) -> RuleForm:
+        """The form of this rule's rounds on ``tree``: children "auto" are sampled where the tree draws them
+        from a pool (``TreeConfig.pool``), else the top ones."""
         s, f = self.sampling, self.fuzzy
         filtered = not s.greedy and (s.top_k > 0 or s.top_p < 1.0)
-        sampled_children = not s.greedy and s.children == "sampled"
+        pooled = tree is not None and tree.pool > 0
+        sampled_children = not s.greedy and (s.children == "sampled" or (s.children == "auto" and pooled))
         if not f.active:  # the exact rule: no divergences, whatever their settings
             return RuleForm(greedy=s.greedy, filtered=filtered, sampled_children=sampled_children)
         return RuleForm(s.greedy, filtered, True, f.divergence, f.mode, f.support_top_k, f.processed,

@@ -482,8 +482,8 @@ def test_sampled_children_verdicts_follow_the_definition(shape, subset, temperat
 
 
 def test_sampled_children_settings():
-    """children is 'top' or 'sampled'; greedy rules ignore it; the fuzzy rule keeps it."""
-    with pytest.raises(ConfigError, match="children must be 'top' or 'sampled'"):
+    """children is 'auto', 'top' or 'sampled'; greedy rules ignore it; the fuzzy rule keeps it."""
+    with pytest.raises(ConfigError, match="children must be 'auto', 'top' or 'sampled'"):
         SamplingConfig(temperature=0.7, children="random")
     assert not AcceptanceRule(SamplingConfig(children="sampled")).form.sampled_children  # greedy
     form = AcceptanceRule(SamplingConfig(temperature=0.7, children="sampled"), FuzzyConfig(threshold=1.0)).form
@@ -749,3 +749,26 @@ def test_sampled_children_through_the_api_and_a_seed(tiny_llama):
     assert gen.generate(prompt, 12, children="sampled", **plain).token_ids == gen.generate(prompt, 12, **plain).token_ids
     with pytest.raises(ConfigError, match="children must be"):
         gen.generate(prompt, 4, temperature=0.9, chat=False, children="all")
+
+
+def test_children_follow_the_tree_unless_named(tiny_llama):
+    """children="auto" (the API's default): sampled children where the call's tree draws them from a pool
+    (a preset's sampling tree, or set_tree(pool=...)), top children otherwise; "top" and "sampled" as
+    named whatever the tree; greedy calls have no children to choose. The decode follows the form: with a
+    pool, "auto" gives exactly the tokens of "sampled" for a seed, and not those of "top"."""
+    model = copy.deepcopy(tiny_llama)
+    gen = SpeculativeGenerator(model, _Tok(), draft_model=noisy_copy(model, 0.3), tree=TreeConfig(8, 3, 2))
+    gen.configure(cuda_graphs=False, compile=False)
+
+    def sampled(children: str, temperature: float = 0.8) -> bool:
+        return gen.session(temperature=temperature, children=children).form.sampled_children
+
+    assert not sampled("auto") and not sampled("top") and sampled("sampled")
+    gen.set_tree(8, 3, 2, pool=4)
+    assert sampled("auto") and not sampled("top") and sampled("sampled")
+    assert not sampled("auto", temperature=0.0)
+    assert gen.session(temperature=0.8).form.sampled_children  # the default is "auto"
+    prompt = [3, 9, 27, 4, 81, 5]
+    run = lambda children: gen.generate(prompt, 24, temperature=0.9, seed=5, chat=False,  # noqa: E731
+                                        children=children).token_ids
+    assert run("auto") == run("sampled") and run("auto") != run("top")
