@@ -220,6 +220,10 @@ def run_replay_command(a: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"--trees: {e}") from None
     if not trees or any(not t.drafts for t in trees):
         raise ConfigError(f"--trees needs drafting trees (total/depth/top_k), got {a.trees!r}")
+    pooled = [t.label for t in trees if t.pool]
+    if pooled and a.temperature:
+        raise ConfigError(f"--trees: {', '.join(pooled)} sample their children from a pool, which a replay "
+                          "cannot follow (it replays top children); decode them instead (python -m eval speed)")
     questions = _questions(a)
     gen = SpeculativeGenerator.load(target=a.target, head=a.head, device=a.device, dtype=a.dtype, threads=a.threads)
     if gen.drafter is None:

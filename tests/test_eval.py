@@ -339,7 +339,8 @@ def test_replay_command(folders, tmp_path, capsys):
     assert greedy["temperature"] == 0.0 and "seed" not in greedy
     for bad, message in ((["--trees", "6/3/x"], "error: --trees: expected a tree"),
                          (["--trees", "1/1/1"], "error: --trees needs drafting trees"),
-                         (["--trees", "6/3/2", "--temperature", "-1"], "error: --temperature must be")):
+                         (["--trees", "6/3/2", "--temperature", "-1"], "error: --temperature must be"),
+                         (["--trees", "6/3/2/p4", "--temperature", "0.8"], "error: --trees: 6/3/2/p4 sample their")):
         assert eval_main(args + bad) == 2
         assert capsys.readouterr().err.strip().startswith(message)
 

@@ -612,3 +612,24 @@ def test_held_out_prompts_go_on_with_gsm8k_past_mt_bench():
     assert len(prompts) == 256 and len(set(sources)) == 256
     assert sum(s.startswith("mt_bench/") for s in sources) == 80
     assert all(s.startswith("mt_bench/") == (i % 2 == 0) for i, s in enumerate(sources[:160]))
+
+
+def test_tuner_decodes_a_pool_tree_with_its_sampled_children(tiny_llama):
+    """Sampling tuner runs (--temperature) decode each listed tree as generate() would: a tree with a pool
+    samples its children from the pool (the default children follow the tree), so its tokens for a seed
+    are those of generate(children="sampled"), not those of top children."""
+    draft = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=draft)
+    gen.configure(cuda_graphs=False, compile=False)
+    tuner = tune.Tuner(gen, log=lambda msg: None)
+    prompt = [5, 17, 99, 3, 42, 64, 8]
+    run = tuner.decode(prompt, TreeConfig(8, 3, 2, pool=4), 24, temperature=0.9, seed=3)
+    assert gen.tree == TreeConfig(8, 3, 2, pool=4)
+    by_children = {c: gen.generate(prompt, 24, temperature=0.9, seed=3, chat=False, children=c).token_ids
+                   for c in ("sampled", "top")}
+    assert run.tokens[:24] == by_children["sampled"][:len(run.tokens[:24])]
+    assert by_children["sampled"] != by_children["top"]

@@ -349,7 +349,7 @@ class Tuner:
         SpeculativeGenerator counts it)."""
         gen = self.gen
         if cfg.drafts:
-            gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab)
+            gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab, cfg.pool)
         rule = AcceptanceRule(SamplingConfig(temperature=temperature))
         # The generator's own session (a captured CUDA graph on GPUs), as generate() decodes.
         session = gen.session(autoregressive=not cfg.drafts, temperature=temperature)
@@ -658,7 +658,7 @@ def measure_batch(gen, prompts: Sequence, candidates: Sequence[TreeConfig], batc
 
     def run(cfg: TreeConfig, new_tokens: int) -> tuple[float, list]:
         if cfg.drafts:
-            gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab)
+            gen.set_tree(cfg.total_tokens, cfg.depth, cfg.top_k, cfg.draft_vocab, cfg.pool)
         start = time.perf_counter()
         results = gen.generate(list(prompts), max_new_tokens=new_tokens, batch_size=batch_size,
                                autoregressive=not cfg.drafts)
