@@ -424,15 +424,21 @@ def test_write_preset_keeps_other_entries(tmp_path):
     assert table["new-model"] == {"cuda": entry} and table["_shapes"] == TABLE["_shapes"]
 
 
-def test_tune_end_to_end_replay_equals_real_decoding(tiny_llama):
-    """A draft model that is a noisy copy of the target accepts some drafts: every finalist's tau from the
-    replay must be the tau of really decoding it, and the chosen tree must be one of the grid's."""
-    draft = copy.deepcopy(tiny_llama)
+def noisy_draft(model, scale: float):
+    """A draft model: a copy of ``model`` with Gaussian noise of ``scale`` on every weight (seeded), so that
+    it proposes what the target accepts often, not always."""
+    draft = copy.deepcopy(model)
     with torch.no_grad():
         g = torch.Generator().manual_seed(3)
         for p in draft.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=g))
-    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=draft)
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return draft
+
+
+def test_tune_end_to_end_replay_equals_real_decoding(tiny_llama):
+    """A draft model that is a noisy copy of the target accepts some drafts: every finalist's tau from the
+    replay must be the tau of really decoding it, and the chosen tree must be one of the grid's."""
+    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=noisy_draft(tiny_llama, 0.02))
     prompts = [[5, 17, 99, 3, 42, 64, 8], [7, 7, 30, 101, 12], [90, 4, 56, 23, 11, 70]]
     grid = tune.candidate_grid((4, 8), (1, 2, 3), (1, 2))
     entry = tune.tune(gen, prompts, grid, max_new_tokens=14, validate=3, finalists=2, prune_after=1,
@@ -618,12 +624,7 @@ def test_tuner_decodes_a_pool_tree_with_its_sampled_children(tiny_llama):
     """Sampling tuner runs (--temperature) decode each listed tree as generate() would: a tree with a pool
     samples its children from the pool (the default children follow the tree), so its tokens for a seed
     are those of generate(children="sampled"), not those of top children."""
-    draft = copy.deepcopy(tiny_llama)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=draft)
+    gen = SpeculativeGenerator(tiny_llama, WordTokenizer(), draft_model=noisy_draft(tiny_llama, 0.05))
     gen.configure(cuda_graphs=False, compile=False)
     tuner = tune.Tuner(gen, log=lambda msg: None)
     prompt = [5, 17, 99, 3, 42, 64, 8]
