@@ -1,5 +1,7 @@
 """Triton kernels for the hot ops of a GPU round; optional: without Triton (or on the CPU) the torch op runs.
 
+``rejection_states``: the verifier's recursive-rejection states over a pool of children (see its docstring).
+
 ``topk``: the draft tree's top-k over a vocabulary. ``torch.topk`` on CUDA is a radix select of about a
 dozen kernels and memsets per call. Here one kernel takes each chunk's top k by k max-reductions in
 registers and a second merges the chunk winners (the global top k is among them). On an H100, in CUDA
@@ -15,6 +17,8 @@ import torch
 
 MAX_K = 64  # the kernels unroll k
 CHUNK = 2048  # entries a stage-1 program reduces (16 per thread with 4 warps)
+MAX_POOL = 1024  # the widest p and r that rejection_states holds in registers (one row block)
+MAX_SLOTS = 64  # rejection_states unrolls the child slots
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,19 +30,71 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _TRITON_TOPK(x.contiguous(), k)
 
 
+def fits_rejection_states(p: torch.Tensor, slots: int) -> bool:
+    """Whether ``rejection_states`` runs the Triton kernel for distributions ``p [..., S]`` and ``slots``
+    children: on CUDA with Triton, S at most MAX_POOL (children from a pool; a whole vocabulary takes the torch
+    sums), at most MAX_SLOTS children."""
+    return (_TRITON_REJECTION is not None and p.is_cuda and p.dim() >= 2 and p.shape[-1] <= MAX_POOL
+            and 0 < slots <= MAX_SLOTS)
+
+
+def rejection_states(p, r, px, rx, exists, outside) -> tuple[torch.Tensor, ...]:
+    """``verify._rejection_states`` in one Triton kernel (see there for the arguments and the coef, mass,
+    r_mass ``[..., slots + 1]`` and kept ``[..., slots]`` it returns), for ``fits_rejection_states`` inputs.
+
+    Why a kernel: the states are a chain of sums over the pool, each depending on the one before (a child's
+    turn comes only after every earlier child was rejected). Inductor fused two links of that chain into one
+    reduction kernel that Triton 3.6 failed to compile for sm_90 (``PassManager::run failed`` in
+    TritonGPURemoveLayoutConversions, persistent or looped), so the whole compiled round fell back to
+    uncompiled graph rounds. Here each program holds a block of nodes' p and r (S <= MAX_POOL columns) in
+    registers and runs the chain over the child slots there: one launch, that inductor does not fuse."""
+    lead, size, slots = p.shape[:-1], p.shape[-1], px.shape[-1]
+    rows = p[..., 0].numel()
+    outside = torch.zeros(lead, device=p.device) + outside  # a float (0.0, no mass left out) or a tensor
+    coef, mass, r_mass, kept = _TRITON_REJECTION(
+        p.reshape(rows, size).float().contiguous(), r.reshape(rows, size).float().contiguous(),
+        px.reshape(rows, slots).float().contiguous(), rx.reshape(rows, slots).float().contiguous(),
+        exists.reshape(rows, slots).contiguous(), outside.reshape(rows).float().contiguous())
+    return (coef.view(*lead, slots + 1), mass.view(*lead, slots + 1), r_mass.view(*lead, slots + 1),
+            kept.view(*lead, slots))
+
+
+def launch_rejection_states(p, r, px, rx, exists, outside, kernel) -> tuple[torch.Tensor, ...]:
+    """Run the kernel (as given: jitted, or wrapped for tracing) on ``p, r [R, S]``, ``px, rx, exists
+    [R, slots]`` and ``outside [R]``; returns coef, mass, r_mass ``[R, slots + 1]`` and kept ``[R, slots]``."""
+    import triton
+
+    rows, size = p.shape
+    slots = px.shape[1]
+    states = [torch.empty((rows, slots + 1), device=p.device, dtype=torch.float32) for _ in range(3)]
+    kept = torch.empty((rows, slots), device=p.device, dtype=torch.float32)
+    block = 8  # rows per program
+    kernel[(triton.cdiv(rows, block),)](p, r, px, rx, exists, outside, *states, kept, rows, size, SLOTS=slots,
+                                       SLOTS_P2=triton.next_power_of_2(slots),
+                                       BLOCK_S=max(16, triton.next_power_of_2(size)), ROWS=block)
+    return (*states, kept)
+
+
 def _register():
-    """The Triton top-k as a torch op (inductor traces it into a compiled round), or None without Triton."""
+    """The Triton kernels as torch ops (inductor traces them into a compiled round), or None without Triton."""
     if importlib.util.find_spec("triton") is None:
-        return None
+        return None, None
     from torch.library import triton_op, wrap_triton
 
     chunk_topk, merge_topk = jit_kernels()
+    states = jit_rejection_states()
 
     @triton_op("fsd_eagle::topk", mutates_args=())
     def triton_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return launch_topk(x, k, wrap_triton(chunk_topk), wrap_triton(merge_topk))
 
-    return triton_topk
+    @triton_op("fsd_eagle::rejection_states", mutates_args=())
+    def triton_rejection_states(p: torch.Tensor, r: torch.Tensor, px: torch.Tensor, rx: torch.Tensor,
+                                exists: torch.Tensor, outside: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return launch_rejection_states(p, r, px, rx, exists, outside, wrap_triton(states))
+
+    return triton_topk, triton_rejection_states
 
 
 def launch_topk(x: torch.Tensor, k: int, chunk_topk, merge_topk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,5 +152,54 @@ def jit_kernels():
     return chunk_topk, merge_topk
 
 
+def jit_rejection_states():
+    """The jitted rejection-states kernel (launch it with ``launch_rejection_states``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rejection_states_kernel(p_ptr, r_ptr, px_ptr, rx_ptr, ex_ptr, out_ptr, coef_ptr, mass_ptr, rmass_ptr,
+                                kept_ptr, rows, size, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr,
+                                BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
+        """Program i: rows [i * ROWS, (i + 1) * ROWS); each row's states before every child slot and after
+        the last, in the order of verify._rejection_states (the same float32 operations)."""
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+        live = row < rows
+        cols = tl.arange(0, BLOCK_S)[None, :]
+        p = tl.load(p_ptr + row * size + cols, mask=live & (cols < size), other=0.0)
+        r = tl.load(r_ptr + row * size + cols, mask=live & (cols < size), other=0.0)
+        slot = tl.arange(0, SLOTS_P2)[None, :]
+        in_slots = live & (slot < SLOTS)
+        px = tl.load(px_ptr + row * SLOTS + slot, mask=in_slots, other=0.0)
+        rx = tl.load(rx_ptr + row * SLOTS + slot, mask=in_slots, other=0.0)
+        exists = tl.load(ex_ptr + row * SLOTS + slot, mask=in_slots, other=0) != 0
+        outside = tl.load(out_ptr + row, mask=live, other=0.0)
+        coef = tl.zeros([ROWS, 1], dtype=tl.float32)
+        mass = coef + 1.0
+        r_mass = coef + 1.0
+        kept = tl.zeros([ROWS, SLOTS_P2], dtype=tl.float32)
+        width = SLOTS + 1
+        tl.store(coef_ptr + row * width, coef, mask=live)
+        tl.store(mass_ptr + row * width, mass, mask=live)
+        tl.store(rmass_ptr + row * width, r_mass, mask=live)
+        for j in tl.static_range(SLOTS):
+            here = slot == j
+            there = tl.sum(tl.where(here & exists, 1, 0), 1)[:, None] > 0
+            rx_j = tl.sum(tl.where(here, rx, 0.0), 1)[:, None]
+            coef = tl.where(there, coef + mass / r_mass, coef)
+            r_mass = tl.where(there, tl.maximum(r_mass - rx_j, 1e-30), r_mass)
+            at = tl.maximum(px - coef * rx, 0.0)  # every slot's p at the new coefficient
+            earlier = tl.sum(tl.where(slot < j, at - kept, 0.0), 1)[:, None]
+            kept = tl.where(here, at, kept)
+            total = tl.sum(tl.maximum(p - coef * r, 0.0), 1)[:, None] + outside - earlier
+            mass = tl.where(there, tl.maximum(total, 1e-30), mass)
+            tl.store(coef_ptr + row * width + j + 1, coef, mask=live)
+            tl.store(mass_ptr + row * width + j + 1, mass, mask=live)
+            tl.store(rmass_ptr + row * width + j + 1, r_mass, mask=live)
+        tl.store(kept_ptr + row * SLOTS + slot, kept, mask=in_slots)
+
+    return rejection_states_kernel
+
+
 # Resolved once at import: a lookup (or an lru_cache) inside a compiled round would break its graph.
-_TRITON_TOPK = _register()
+_TRITON_TOPK, _TRITON_REJECTION = _register()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
 from .config import FuzzyConfig, SamplingConfig, TreeConfig
 from .divergence import divergence
 from .ops import pick
@@ -330,8 +331,11 @@ def _rejection_states(p: torch.Tensor, r: torch.Tensor, px: torch.Tensor, rx: to
     child (a prefix). Returns coef, mass, r_mass ``[..., slots + 1]`` and kept ``[..., slots]``: before slot
     j, p (unnormalised) is max(p - coef_j * r, 0) of sum mass_j except at the tokens of slots < j, which
     kept their values kept_i, and r has r_mass_j left (r without those tokens). Each rejection is
-    ``_residual_coefficient``: no distribution is rewritten, one sum over the vocabulary per slot."""
+    ``_residual_coefficient``: no distribution is rewritten, one sum over the vocabulary per slot. On CUDA
+    with Triton, over a pool (at most kernels.MAX_POOL columns): ``kernels.rejection_states``, one kernel."""
     slots = px.shape[-1]
+    if kernels.fits_rejection_states(p, slots):
+        return kernels.rejection_states(p, r, px, rx, exists, outside)
     coef = [torch.zeros(px.shape[:-1], device=p.device)]
     mass, r_mass, kept = [torch.ones_like(coef[0])], [torch.ones_like(coef[0])], []
     for slot in range(slots):

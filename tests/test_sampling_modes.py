@@ -8,6 +8,7 @@ CUDA-only modes are skipped without a GPU; compiled modes need a C++ compiler on
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fsd_eagle.kernels as kernels_module
 import fsd_eagle.verify as verify_module
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import FuzzyConfig, SamplingConfig, TreeConfig
@@ -248,8 +250,11 @@ SAMPLED_TREE = TreeConfig(total_tokens=6, depth=2, top_k=3)  # two levels: the w
 
 
 def _keep_residual(monkeypatch):
-    """Sampled children: after a rejection keep p instead of max(p - r, 0) renormalised."""
+    """Sampled children: after a rejection keep p instead of max(p - r, 0) renormalised (in the torch sums:
+    on CUDA the rejection-states kernel, which test_rejection_states_kernel_equals_the_torch_sums checks, is
+    turned off)."""
     monkeypatch.setattr(verify_module, "_residual_coefficient", lambda coef, mass, r_mass: coef)
+    monkeypatch.setattr(kernels_module, "fits_rejection_states", lambda p, slots: False)
 
 
 BROKEN_SAMPLED = {"double_acceptance": BROKEN["double_acceptance"], "keep_residual": _keep_residual}
@@ -393,6 +398,33 @@ def test_rejections_follow_one_coefficient(seed):
             p_x = float((px[i, j] - coef[i, j] * rx[i, j]).clamp(min=0) / mass[i, j])
             assert p_x == pytest.approx(p_j, abs=1e-6) and float(rx[i, j] / r_mass[i, j]) == pytest.approx(r_j, abs=1e-6)
         assert torch.allclose(last[i], p_last, atol=1e-6)
+
+
+@pytest.mark.skipif(not CUDA or importlib.util.find_spec("triton") is None,
+                    reason="the rejection-states kernel runs on CUDA with Triton")
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("lead,size,slots", [((2, 61), 32, 8), ((1, 64), 32, 8), ((3,), 4, 3), ((2, 5), 1024, 10)])
+def test_rejection_states_kernel_equals_the_torch_sums(lead, size, slots, compiled):
+    """On CUDA, _rejection_states over a pool runs kernels.rejection_states (one Triton kernel; in a compiled
+    function too, where inductor fused the torch sums into a kernel that Triton could not compile): the
+    torch sums' states (computed on the CPU) to float32 rounding, for children that fill a prefix of the
+    slots (none to all), with and without target mass outside the pool."""
+    gen = torch.Generator().manual_seed(size + slots)
+    r = (torch.randn(*lead, size, generator=gen) * 2).softmax(-1)
+    flat = r.reshape(-1, size)
+    x = torch.stack([torch.multinomial(flat[i], slots, generator=gen) for i in range(flat.shape[0])]).view(*lead, slots)
+    exists = torch.arange(slots) < torch.randint(0, slots + 1, (*lead, 1), generator=gen)
+    states = verify_module._rejection_states
+    fn = torch.compile(states, fullgraph=True) if compiled else states
+    assert kernels_module.fits_rejection_states(r.cuda(), slots)
+    for outside in (0.0, 0.2 * torch.rand(lead, generator=gen)):
+        p = (torch.randn(*lead, size, generator=gen) * 2).softmax(-1) * (1 - outside.unsqueeze(-1) if torch.is_tensor(outside) else 1)
+        px, rx = p.gather(-1, x), r.gather(-1, x)
+        want = states(p, r, px, rx, exists, outside)
+        got = fn(*(t.cuda() for t in (p, r, px, rx, exists)), outside.cuda() if torch.is_tensor(outside) else outside)
+        for name, a, b in zip(("coef", "mass", "r_mass", "kept"), got, want):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _sampled_tree(shape, subset: bool, temperature: float, seed: int, pool: int = 0):
