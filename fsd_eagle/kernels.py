@@ -97,20 +97,24 @@ def _register():
     return triton_topk, triton_rejection_states
 
 
-def launch_topk(x: torch.Tensor, k: int, chunk_topk, merge_topk) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the two kernels (as given: jitted, or wrapped for tracing) on ``x [R, n]``."""
+def launch_topk(x: torch.Tensor, k: int, chunk_topk, merge_topk, chunk: int = CHUNK,
+                warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the two kernels (as given: jitted, or wrapped for tracing) on ``x [R, n]``, stage 1 over chunks
+    of at most ``chunk`` entries, both with ``warps`` warps per program (None: Triton's default, 4; the
+    defaults are what ``topk`` runs, eval/device/bench_ops.py times others)."""
     import triton
 
     rows, n = x.shape
-    size = min(CHUNK, max(16, triton.next_power_of_2(n)))
+    size = min(chunk, max(16, triton.next_power_of_2(n)))
     chunks = triton.cdiv(n, size)
     vals = torch.empty((rows, chunks * k), device=x.device, dtype=torch.float32)
     idx = torch.empty((rows, chunks * k), device=x.device, dtype=torch.int64)
-    chunk_topk[(rows, chunks)](x, vals, idx, n, x.stride(0), CHUNK=size, K=k)
+    launch = {} if warps is None else {"num_warps": warps}
+    chunk_topk[(rows, chunks)](x, vals, idx, n, x.stride(0), CHUNK=size, K=k, **launch)
     if chunks > 1:
         out = torch.empty((rows, k), device=x.device, dtype=torch.int64)
         m = chunks * k
-        merge_topk[(rows,)](vals, idx, out, m, M=triton.next_power_of_2(m), K=k)
+        merge_topk[(rows,)](vals, idx, out, m, M=triton.next_power_of_2(m), K=k, **launch)
         idx = out
     return x.gather(1, idx), idx
 

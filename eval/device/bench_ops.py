@@ -3,6 +3,9 @@
 
 - top-k over the draft's vocabulary (rows x V float32 logits, k = top_k): torch.topk, two-stage variants,
   fsd_eagle.kernels.topk (checked against torch.topk first), and the small top-k over the k x k children;
+- ``pool_topk``: the pool of sampled children (k = 8 and 32 over a 16,384-token draft vocabulary and over
+  49,152 tokens, 1 and 8 rows): fsd_eagle.kernels.topk as a round runs it, the same kernels with other
+  chunk sizes and warps, the sort-based candidates of topk_sort.py (checked against torch.topk), torch.topk;
 - FlexAttention for 1, 8 and 48 query rows over a 2048-slot cache with a ~500-token prefix, under
   kernel_options (query/key tile sizes, warps, stages);
 - one layer's tree attention of a batched round (``batch``): B = 8 or 64 rows of n = 1 (AR) or 64 (a
@@ -92,6 +95,33 @@ def bench_topk(v: int, k: int) -> list[dict]:
                      "kernel_topk": lambda: kernel_topk(small[None], k)}.items():
         rows.append({"op": "small_topk", "n": k * k, "k": k, "variant": name, "us": graph_us(fn)})
         print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_pool_topk() -> list[dict]:
+    import topk_sort
+    from fsd_eagle.kernels import jit_kernels, launch_topk
+
+    passes = jit_kernels()
+    sort = (topk_sort.chunk_topk_sort, topk_sort.merge_topk_sort)
+    rows = []
+    for v, r, k in itertools.product((16384, 49152), (1, 8), (8, 32)):
+        x = torch.randn(r, v, device="cuda")
+        ref = x.topk(k)
+        variants = {"kernel_topk": lambda x=x: kernel_topk(x, k), "torch_topk": lambda x=x: x.topk(k)}
+        for chunk, warps in itertools.product((512, 2048), (1, 4)):
+            variants[f"passes_c{chunk}_w{warps}"] = lambda x=x, c=chunk, w=warps: launch_topk(x, k, *passes, c, w)
+            variants[f"sort_c{chunk}_w{warps}"] = lambda x=x, c=chunk, w=warps: launch_topk(x, k, *sort, c, w)
+        for name, fn in variants.items():
+            try:
+                vals, idx = fn()
+                if not (torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)):
+                    raise ValueError("differs from torch.topk")
+                us = graph_us(fn)
+            except Exception as e:  # a configuration Triton cannot build (registers, shared memory): report it
+                us = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            rows.append({"op": "pool_topk", "rows": r, "V": v, "k": k, "variant": name, "us": us})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -204,12 +234,14 @@ def bench_decode(shapes: dict, slots_list=(768, 2048)) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--skip", default="", help="comma list of sections to skip: topk,flex,batch,decode")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: topk,pool_topk,flex,batch,decode")
     a = p.parse_args()
     skip = set(a.skip.split(","))
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     if "topk" not in skip:
         out["rows"] += bench_topk(49152, 8)
+    if "pool_topk" not in skip:
+        out["rows"] += bench_pool_topk()
     if "flex" not in skip:
         out["rows"] += bench_flex(9, 3, 64, 2048, 500)
     if "batch" not in skip:
