@@ -213,16 +213,24 @@ def chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
+# Rows of the sessions that chi-square tests sample on: every request is a two-token decode that ends
+# after one round, so 64 rows take 64 samples a round (a one-row session took ~20 ms a sample on the CPU).
+CHI_ROWS = 64
+
+
 def sample_pairs_on(session, prompt, rule, n: int, seed: int):
-    """n two-token decodes of ``prompt`` on ``session``, prompt i with seed ``seed * n + i``: the counts of
-    the token pairs, and the share of decodes whose first round accepted a draft token."""
-    counts: Counter = Counter()
-    accepted = 0
-    for i in range(n):
-        out, stats = decode_all(session, prompt, 2, rule, seed * n + i)
-        counts[tuple(out)] += 1
-        accepted += stats.accept_lengths[0] > 1
-    return counts, accepted / n
+    """n two-token decodes of ``prompt`` on ``session`` (through ``schedule.Scheduler``, ``session.batch``
+    rows at a time), decode i with seed ``seed * n + i``: the counts of the token pairs, and the share of
+    decodes whose first round accepted a draft token. A seed decodes the same tokens in any row of any
+    batch as alone (tests/test_batch.py), so the counts do not depend on the session's rows."""
+    from fsd_eagle.schedule import Request, Scheduler
+
+    requests = [Request(prompt, 2, rule, seed * n + i) for i in range(n)]
+    out: list[list[int]] = [[] for _ in requests]
+    for i, tokens in Scheduler(session, requests).run():
+        out[i] += tokens
+    counts = Counter(tuple(tokens) for tokens in out)
+    return counts, sum(r.stats.accept_lengths[0] > 1 for r in requests) / n
 
 
 def spy_generate(monkeypatch, counts, value) -> list:

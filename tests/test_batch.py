@@ -119,11 +119,15 @@ def test_fewer_prompts_than_rows_and_a_one_token_budget():
     assert out == [alone(eng, plan, p, n) for p, n in zip(ps, (1, 9, 2))]
 
 
-def test_sampling_rows_with_their_seeds_decode_as_alone():
-    """Each row samples from its own seed's stream: the same tokens as the prompt alone with that seed."""
+@pytest.mark.parametrize("children,pool", [("top", 0), ("sampled", 0), ("sampled", 5)])
+def test_sampling_rows_with_their_seeds_decode_as_alone(children, pool):
+    """Each row samples from its own seed's stream: the same tokens as the prompt alone with that seed, with
+    the draft's top children and with children sampled from the draft (from a pool of 5). (The chi-square
+    tests sample in batches for that reason.)"""
     eng = engine("llama", "model")
-    rule = AcceptanceRule(SamplingConfig(temperature=0.9, top_p=0.95))
-    plan = Plan(TREE, rule.form, batch=4)
+    rule = AcceptanceRule(SamplingConfig(temperature=0.9, top_p=0.95, children=children))
+    tree = TreeConfig(total_tokens=TREE.total_tokens, depth=TREE.depth, top_k=TREE.top_k, pool=pool)
+    plan = Plan(tree, rule.form, batch=4)
     ps = prompts(6, eng.target.vocab_size, seed=4)
     out, _ = batched(eng, plan, [Request(p, 16, rule, seed=10 + i) for i, p in enumerate(ps)])
     assert out == [alone(eng, plan, p, 16, rule, 10 + i) for i, p in enumerate(ps)]

@@ -23,7 +23,7 @@ from fsd_eagle.session import Plan, Session
 from fsd_eagle.target import Target
 from fsd_eagle.verify import AcceptanceRule
 
-from conftest import chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, tiny_model
+from conftest import CHI_ROWS, chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, tiny_model
 
 CPU = torch.device("cpu")
 GREEDY = AcceptanceRule()
@@ -179,7 +179,7 @@ def stat_setup():
 def sample_pairs(n: int, seed: int) -> tuple[Counter, float]:
     eng, prompt, _ = stat_setup()
     rule = AcceptanceRule(SamplingConfig(temperature=1.0))
-    session = make_session(tree=TreeConfig(total_tokens=4, depth=1, top_k=3), rule=rule, engine=eng)
+    session = make_session(tree=TreeConfig(total_tokens=4, depth=1, top_k=3), rule=rule, engine=eng, batch=CHI_ROWS)
     return sample_pairs_on(session, prompt, rule, n, seed)
 
 

@@ -38,7 +38,7 @@ from fsd_eagle.session import PendingRound, Plan, Session
 import fsd_eagle.session as session_module
 from fsd_eagle.verify import AcceptanceRule, Verdict
 
-from conftest import ancestors, chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, verify
+from conftest import CHI_ROWS, ancestors, chi_square_pvalue, decode_all, make_session, reference_probs, sample_pairs_on, verify
 
 CPU = torch.device("cpu")
 GREEDY = AcceptanceRule()
@@ -927,9 +927,10 @@ STAT_TREE = TreeConfig(total_tokens=4, depth=1, top_k=3)
 def sample_pairs(setup, rule, n, seed, tree=STAT_TREE, ranking=None):
     """n two-token decodes, each with its own seed, on one session (draft vocabulary: ``ranking``)."""
     _, engine, prompt, _, _ = setup
-    session = make_session(tree=tree, rule=rule, engine=engine)
-    if ranking is not None:
-        session.drafter.ranking = ranking
+    session = make_session(tree=tree, rule=rule, engine=engine, batch=CHI_ROWS)
+    if ranking is not None:  # the rows' drafter and those that prompts are prefilled with
+        for drafter in [session.drafter] + [rows.drafter for rows in session.prefill_rows.values()]:
+            drafter.ranking = ranking
     return sample_pairs_on(session, prompt, rule, n, seed)
 
 

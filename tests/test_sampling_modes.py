@@ -12,7 +12,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,17 +23,17 @@ import fsd_eagle.kernels as kernels_module
 import fsd_eagle.verify as verify_module
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import FuzzyConfig, SamplingConfig, TreeConfig
-from fsd_eagle.decode import DecodeStats, RoundResult, compiled_prefill, compiled_round, prefill_bucket, run_round
+from fsd_eagle.decode import RoundResult, compiled_prefill, compiled_round, prefill_bucket, run_round
 from fsd_eagle.engine import Engine
 from fsd_eagle.errors import ConfigError
 from fsd_eagle.rng import DRAW_ACCEPT, RandomStream, mix32
-from fsd_eagle.sampling import RuleForm, RuleValues, process_logits
+from fsd_eagle.sampling import RuleForm, process_logits
 from fsd_eagle.schedule import decode
 from fsd_eagle.session import PendingRound, Plan, Session
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.verify import AcceptanceRule, sampled_children_walk, verify_tree
 
-from conftest import chi_square_pvalue, decode_all, has_cpu_compiler, make_session, tiny_model
+from conftest import CHI_ROWS, chi_square_pvalue, decode_all, has_cpu_compiler, make_session, sample_pairs_on, tiny_model
 from test_engine import (BROKEN, STAT_TREE, PathDrafter, Row, _target_logits_for, exact_pair_distribution,
                          make_stat_setup, noisy_copy)
 
@@ -171,21 +170,24 @@ def test_session_is_the_session_generate_uses(tiny_llama):
 
 class CompiledSession(Session):
     """Compiled prefills and rounds (decode.compiled_prefill / compiled_round: what GPU sessions capture),
-    run without CUDA graphs, so that the CPU checks the compiled code of every rule."""
+    run without CUDA graphs, so that the CPU checks the compiled code of every rule; prompts padded to
+    their length bucket as in graph mode."""
 
     def prompt_slots(self, prompt_len: int) -> int:
         return prefill_bucket(prompt_len)
 
     def _prefill(self, pre, prompts):
-        (prompt_ids,) = prompts
-        n = prompt_ids.shape[0]
-        ids = torch.zeros(1, prefill_bucket(n), dtype=torch.long, device=prompt_ids.device)
-        ids[0, :n] = prompt_ids
+        rows, dev = pre.rows, prompts[0].device
+        ids = torch.zeros(rows, prefill_bucket(max(p.shape[0] for p in prompts)), dtype=torch.long, device=dev)
+        for j, p in enumerate(prompts):
+            ids[j, :p.shape[0]] = p
+        length = torch.tensor([p.shape[0] for p in prompts] + [1] * (rows - len(prompts)), device=dev)
         st = pre.state
-        return compiled_prefill()(pre.target, pre.drafter, ids, torch.tensor([n], device=ids.device),
-                                  self.form.exact(), st.values, st.rng)
+        return compiled_prefill()(pre.target, pre.drafter, ids, length, self.form.exact(), st.values, st.rng)
 
     def launch(self):
+        # Static shapes whatever the rows (as one-row GPU sessions compile): a symbolic batch size (what
+        # batched GPU sessions compile, tests/test_batch.py) took several times longer to compile here.
         return PendingRound(compiled_round()(self.target, self.drafter, self.state, self.tree, self.form).cpu())
 
 
@@ -205,29 +207,17 @@ def ran_as(mode: str) -> str:
     return {"compiled": "eager", "compiled_graph": "compiled"}.get(mode, mode)
 
 
-def make_mode_session(mode: str, engine, tree, form) -> Session:
+def make_mode_session(mode: str, engine, tree, form, batch: int = CHI_ROWS) -> Session:
+    """A session of ``batch`` rows (default: the chi-square tests' CHI_ROWS) running ``mode``."""
     if mode == "compiled":
-        return CompiledSession(engine, Plan(tree, form))
-    return Session(engine, Plan(tree, form, graphs=mode != "eager", compile=mode == "compiled_graph"))
+        return CompiledSession(engine, Plan(tree, form, batch=batch))
+    return Session(engine, Plan(tree, form, graphs=mode != "eager", compile=mode == "compiled_graph", batch=batch))
 
 
 def stat_setup_on(device: str):
     model, engine, prompt, first, second = make_stat_setup()
     engine = Engine(model.to(device), None, draft_model=engine.draft_model.to(device))
     return engine, prompt.to(device), first, second
-
-
-def sample_pairs_with(session, prompt, rule, n, seed):
-    """n two-token decodes, each with its own seed, on one session (one capture / compilation)."""
-    counts: Counter = Counter()
-    accepted = 0
-    for i in range(n):
-        stats, out = DecodeStats(), []
-        for new in decode(session, prompt, 2, rule, seed * n + i, stats):
-            out += new
-        counts[tuple(out)] += 1
-        accepted += stats.accept_lengths[0] > 1
-    return counts, accepted / n
 
 
 @pytest.mark.parametrize("mode", MODES.values())
@@ -239,7 +229,7 @@ def test_sampling_is_lossless_in_every_mode(mode, temperature, top_p):
     rule = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
     session = make_mode_session(mode, engine, STAT_TREE, rule.form)
     n = 2000
-    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=5)
+    counts, accept_rate = sample_pairs_on(session, prompt, rule, n, seed=5)
     assert session.mode == ran_as(mode)
     assert accept_rate > 0.3
     expected = exact_pair_distribution(first.to("cpu"), second.to("cpu"), temperature, top_p)
@@ -273,13 +263,13 @@ def test_sampled_children_are_lossless_in_every_mode(mode, temperature, top_p):
     assert rule.form.sampled_children
     session = make_mode_session(mode, engine, SAMPLED_TREE, rule.form)
     n = 2000
-    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=5)
+    counts, accept_rate = sample_pairs_on(session, prompt, rule, n, seed=5)
     assert session.mode == ran_as(mode)
     expected = exact_pair_distribution(first.to("cpu"), second.to("cpu"), temperature, top_p)
     assert chi_square_pvalue(counts, expected, n) > 1e-3
     if temperature == 1.0 and mode == "eager":
         top = AcceptanceRule(SamplingConfig(temperature=temperature, top_p=top_p))
-        _, top_rate = sample_pairs_with(make_mode_session(mode, engine, SAMPLED_TREE, top.form), prompt, top, n, 5)
+        _, top_rate = sample_pairs_on(make_mode_session(mode, engine, SAMPLED_TREE, top.form), prompt, top, n, 5)
         assert accept_rate > top_rate + 0.1, (accept_rate, top_rate)
 
 
@@ -293,7 +283,7 @@ def test_the_sampling_test_fails_broken_sampled_children(monkeypatch, mode, brok
     rule = AcceptanceRule(SamplingConfig(temperature=1.0, children="sampled"))
     session = make_mode_session(mode, engine, SAMPLED_TREE, rule.form)
     n = 600
-    counts, _ = sample_pairs_with(session, prompt, rule, n, seed=5)
+    counts, _ = sample_pairs_on(session, prompt, rule, n, seed=5)
     assert session.mode == ran_as(mode)
     torch._dynamo.reset()
     assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3
@@ -341,7 +331,7 @@ def test_children_from_a_pool_are_lossless_in_every_mode(mode):
     rule = AcceptanceRule(SamplingConfig(temperature=0.7, top_p=0.9, children="sampled"))
     session = make_mode_session(mode, engine, POOL_TREE, rule.form)
     n = 2000
-    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=5)
+    counts, accept_rate = sample_pairs_on(session, prompt, rule, n, seed=5)
     assert session.mode == ran_as(mode)
     assert accept_rate > 0.3
     assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 0.7, 0.9), n) > 1e-3
@@ -357,7 +347,7 @@ def test_the_sampling_test_fails_broken_pool_children(monkeypatch, mode, broken)
     rule = AcceptanceRule(SamplingConfig(temperature=1.0, children="sampled"))
     session = make_mode_session(mode, engine, POOL_TREE, rule.form)
     n = 600
-    counts, _ = sample_pairs_with(session, prompt, rule, n, seed=5)
+    counts, _ = sample_pairs_on(session, prompt, rule, n, seed=5)
     assert session.mode == ran_as(mode)
     torch._dynamo.reset()
     assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3
@@ -541,7 +531,7 @@ def test_fuzzy_sampled_children_at_t_inf_sample_the_draft(exec_mode, mode):
                           FuzzyConfig(threshold=float("inf"), divergence="kl", mode=mode))
     session = make_mode_session(exec_mode, engine, TreeConfig(total_tokens=3, depth=2, top_k=1), rule.form)
     n = 2000
-    counts, accept_rate = sample_pairs_with(session, prompt, rule, n, seed=9)
+    counts, accept_rate = sample_pairs_on(session, prompt, rule, n, seed=9)
     assert session.mode == ran_as(exec_mode)
     assert accept_rate == 1.0
     assert chi_square_pvalue(counts, exact_pair_distribution(first, q_second, 1.0, 1.0), n) > 1e-3
@@ -577,7 +567,7 @@ def test_the_sampling_test_fails_a_broken_rule_in_every_mode(monkeypatch, mode, 
     rule = AcceptanceRule(SamplingConfig(temperature=1.0))
     session = make_mode_session(mode, engine, STAT_TREE, rule.form)
     n = 400
-    counts, _ = sample_pairs_with(session, prompt, rule, n, seed=5)
+    counts, _ = sample_pairs_on(session, prompt, rule, n, seed=5)
     assert session.mode == ran_as(mode)
     torch._dynamo.reset()  # nothing compiled from the broken rule outlives this test
     assert chi_square_pvalue(counts, exact_pair_distribution(first.cpu(), second.cpu(), 1.0, 1.0), n) < 1e-3

@@ -9,9 +9,11 @@ The GPU version (NCCL, CUDA graphs, two GPUs) is eval/device/tp_check.py."""
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import shutil
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -61,8 +63,11 @@ def _free_port() -> int:
 
 
 def decode_compiled(folder: Path, head: Path, tp_size: int) -> dict:
-    """Greedy tokens of AR and EAGLE-2 through compiled rounds and prefills (tests/test_sampling_modes.py's
-    CompiledSession: the compiled code that GPU sessions capture, run on the CPU without graphs)."""
+    """Greedy EAGLE-2 tokens through a compiled round and prefill (tests/test_sampling_modes.py's
+    CompiledSession: the compiled code that GPU sessions capture, run on the CPU without graphs). One
+    compiled round form only: what tensor parallelism changes (sharded projections, their sums, the
+    gathered logits) is the target's forward, which every round form and the prefill trace alike, and each
+    compilation costs minutes on a two-core machine (both ranks compile at once)."""
     import fsd_eagle.api as api
     from fsd_eagle.api import SpeculativeGenerator
     from fsd_eagle.config import TreeConfig
@@ -71,9 +76,7 @@ def decode_compiled(folder: Path, head: Path, tp_size: int) -> dict:
     api.Session = CompiledSession
     gen = SpeculativeGenerator.load(folder, head=head, device="cpu", dtype="float32", tree=TreeConfig(**TREE),
                                     tp_size=tp_size)
-    return {"ar": gen.generate(PROMPTS[0], NEW_TOKENS, autoregressive=True, chat=False).token_ids,
-            "head": gen.generate(PROMPTS[0], NEW_TOKENS, chat=False).token_ids,
-            "head_sampled": gen.generate(PROMPTS[1], NEW_TOKENS, temperature=0.9, seed=3, chat=False).token_ids}
+    return {"head": gen.generate(PROMPTS[0], NEW_TOKENS, chat=False).token_ids}
 
 
 def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict | None = None,
@@ -104,7 +107,8 @@ def _rank_main(rank: int, world: int, port: int, folders: dict, queue, env: dict
 def run_ranks(world: int, folders: dict, timeout_s: float = 120.0, env: dict | None = None,
               decode=decode_all) -> dict[int, object]:
     """Start ``world`` CPU processes (spawned, gloo) running ``_rank_main`` (with ``env`` set, cases of
-    ``decode``); their results by rank."""
+    ``decode``); their results by rank, up to the first rank that reports an error (its traceback, a
+    string). Fails the test when a rank gives nothing within ``timeout_s``."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -113,8 +117,19 @@ def run_ranks(world: int, folders: dict, timeout_s: float = 120.0, env: dict | N
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, folders, queue, env, decode)) for r in range(world)]
     for p in procs:
         p.start()
+    got: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        return dict(queue.get(timeout=timeout_s) for _ in procs)
+        while len(got) < world:
+            try:
+                rank, result = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue_module.Empty:
+                missing = sorted(set(range(world)) - set(got))
+                pytest.fail(f"ranks {missing} of {world} gave no result within {timeout_s:.0f} s")
+            got[rank] = result
+            if isinstance(result, str):  # a rank failed: the others may wait for it in a collective
+                break
+        return got
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -234,21 +249,19 @@ def test_collectives_per_forward(folders):
 @pytest.mark.skipif(gloo_tensor_parallel() is not None, reason=str(gloo_tensor_parallel()))
 @pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
 def test_two_ranks_compiled_rounds_decode_what_one_decodes(folders):
-    """Compiled rounds and prefills of a target sharded over two ranks (dynamo traces the row-parallel sums)
-    decode what the unsharded target decodes eagerly, AR and EAGLE-2, greedy and sampled with a seed (the
-    unsharded sampler is the one the chi-square tests check); FSD_EAGLE_INDUCTOR_FREEZING=1 is set
+    """A compiled round and prefill of a target sharded over two ranks (dynamo traces the row-parallel sums)
+    decode what the unsharded target decodes eagerly (greedy EAGLE-2); FSD_EAGLE_INDUCTOR_FREEZING=1 is set
     and must stay off in a tensor-parallel process (frozen, the process group would be a constant)."""
     from fsd_eagle.cli import quiet_transformers
 
     quiet_transformers()
     target, head = folders["llama"]
     reference = decode_all(target, head, 1)
-    ranks = run_ranks(2, {"llama": folders["llama"]}, timeout_s=600.0, env={"FSD_EAGLE_INDUCTOR_FREEZING": "1"},
+    ranks = run_ranks(2, {"llama": folders["llama"]}, timeout_s=1200.0, env={"FSD_EAGLE_INDUCTOR_FREEZING": "1"},
                       decode=decode_compiled)
     for rank, got in sorted(ranks.items()):
         assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
-        for case in ("ar", "head", "head_sampled"):
-            assert got["llama"][case] == reference[case], f"{case} rank {rank}"
+        assert got["llama"]["head"] == reference["head"], f"rank {rank}"
 
 
 def test_freezing_is_off_in_a_tensor_parallel_process(monkeypatch):
