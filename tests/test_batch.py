@@ -6,6 +6,7 @@ per row."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections import Counter, defaultdict
 
@@ -126,8 +127,7 @@ def test_sampling_rows_with_their_seeds_decode_as_alone(children, pool):
     tests sample in batches for that reason.)"""
     eng = engine("llama", "model")
     rule = AcceptanceRule(SamplingConfig(temperature=0.9, top_p=0.95, children=children))
-    tree = TreeConfig(total_tokens=TREE.total_tokens, depth=TREE.depth, top_k=TREE.top_k, pool=pool)
-    plan = Plan(tree, rule.form, batch=4)
+    plan = Plan(dataclasses.replace(TREE, pool=pool), rule.form, batch=4)
     ps = prompts(6, eng.target.vocab_size, seed=4)
     out, _ = batched(eng, plan, [Request(p, 16, rule, seed=10 + i) for i, p in enumerate(ps)])
     assert out == [alone(eng, plan, p, 16, rule, 10 + i) for i, p in enumerate(ps)]
