@@ -3,10 +3,13 @@
 ``rejection_states``: the verifier's recursive-rejection states over a pool of children (see its docstring).
 
 ``topk``: the draft tree's top-k over a vocabulary. ``torch.topk`` on CUDA is a radix select of about a
-dozen kernels and memsets per call. Here one kernel takes each chunk's top k by k max-reductions in
-registers and a second merges the chunk winners (the global top k is among them). On an H100, in CUDA
-graphs (eval/device/bench_ops.py): a [8, 49152] float32 top-8 took 54.0 us with torch.topk, 10.5 with
-these kernels; a top-8 of 64 values 8.5 and 4.2 us. A draft level had cost ~190 us, 56 of them in top-k.
+dozen kernels and memsets per call. Here one kernel takes each chunk's top k with one partial bitonic sort of
+value-index keys (``tl.topk``), and a second merges the chunk winners the same way (the global top k is among
+them). On an H200, in CUDA graphs (``python eval/device/bench_ops.py --skip topk,flex,batch,decode``,
+2026-12-02): over 8 rows of a 16,384-token draft vocabulary, a top-8 took 6.3 us (torch.topk 66.1), a top-16
+7.3 and a top-32 9.1 us, where the kernels they replace (k max-reductions one after another per chunk, then
+per merge) took 9.3, 16.0 and 30.1 us: the top 32 of a pool of sampled children is taken once per draft
+level.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import importlib.util
 
 import torch
 
-MAX_K = 64  # the kernels unroll k
-CHUNK = 2048  # entries a stage-1 program reduces (16 per thread with 4 warps)
+MAX_K = 64  # the widest top-k the kernels take (a bitonic sort of the next power of two keys per program)
+MAX_CHUNKS = 64  # stage-1 programs per row at most: a longer row gets longer chunks (a smaller merge)
 MAX_POOL = 1024  # the widest p and r that rejection_states holds in registers (one row block)
 MAX_SLOTS = 64  # rejection_states unrolls the child slots
 
@@ -97,61 +100,84 @@ def _register():
     return triton_topk, triton_rejection_states
 
 
-def launch_topk(x: torch.Tensor, k: int, chunk_topk, merge_topk, chunk: int = CHUNK,
+def topk_shape(n: int, k: int) -> tuple[int, int]:
+    """The stage-1 chunk (entries per program, a power of two) and warps per program of a top-k over rows of
+    ``n`` entries: the fastest of chunks of 512 to 4,096 entries and 2 to 8 warps for k = 8, 16 and 32 over
+    16,384 entries on an H200 (eval/device/bench_ops.py's ``pool_topk``), with at most MAX_CHUNKS chunks."""
+    import triton
+
+    chunk = max(512 if k <= 8 else 1024, triton.next_power_of_2(-(-n // MAX_CHUNKS)))
+    return min(chunk, max(16, triton.next_power_of_2(n))), 4 if k <= 8 else 8
+
+
+def launch_topk(x: torch.Tensor, k: int, chunk_topk, merge_topk, chunk: int | None = None,
                 warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the two kernels (as given: jitted, or wrapped for tracing) on ``x [R, n]``, stage 1 over chunks
-    of at most ``chunk`` entries, both with ``warps`` warps per program (None: Triton's default, 4; the
-    defaults are what ``topk`` runs, eval/device/bench_ops.py times others)."""
+    """Run the two kernels (as given: jitted, or wrapped for tracing) on ``x [R, n]``: stage 1 over chunks
+    of ``chunk`` entries (a power of two, at least the next power of two above k), both stages with ``warps``
+    warps per program (None: ``topk_shape``'s, what ``topk`` runs; eval/device/bench_ops.py times others)."""
     import triton
 
     rows, n = x.shape
-    size = min(chunk, max(16, triton.next_power_of_2(n)))
+    shape = topk_shape(n, k)
+    size, warps = min(chunk or shape[0], max(16, triton.next_power_of_2(n))), warps or shape[1]
+    k_p2 = max(2, triton.next_power_of_2(k))  # a top 1 would reduce the sort's keys to a scalar
     chunks = triton.cdiv(n, size)
     vals = torch.empty((rows, chunks * k), device=x.device, dtype=torch.float32)
     idx = torch.empty((rows, chunks * k), device=x.device, dtype=torch.int64)
-    launch = {} if warps is None else {"num_warps": warps}
-    chunk_topk[(rows, chunks)](x, vals, idx, n, x.stride(0), CHUNK=size, K=k, **launch)
+    chunk_topk[(rows, chunks)](x, vals, idx, n, x.stride(0), CHUNK=size, K=k, K_P2=k_p2, num_warps=warps)
     if chunks > 1:
         out = torch.empty((rows, k), device=x.device, dtype=torch.int64)
         m = chunks * k
-        merge_topk[(rows,)](vals, idx, out, m, M=triton.next_power_of_2(m), K=k, **launch)
+        merge_topk[(rows,)](vals, idx, out, m, M=triton.next_power_of_2(m), K=k, K_P2=k_p2, num_warps=warps)
         idx = out
     return x.gather(1, idx), idx
 
 
 def jit_kernels():
-    """The two Triton kernels (jitted; launch them with ``launch_topk``)."""
+    """The two Triton kernels (jitted; launch them with ``launch_topk``).
+
+    Each ranks entries by one int64 key: an order-preserving int32 image of the float32 value (the magnitude
+    bits of negatives flipped) above the complement of the column, so that among equal values the lower
+    column ranks first, and takes the top K_P2 (K rounded up to a power of two, as ``tl.topk`` needs) of its
+    keys in descending order, of which it keeps the first K."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def chunk_topk(x_ptr, vals_ptr, idx_ptr, n, stride, CHUNK: tl.constexpr, K: tl.constexpr):
-        """Program (row, chunk): the top K of x[row, chunk * CHUNK:][:CHUNK] to vals/idx[row, chunk * K:]."""
+    def chunk_topk(x_ptr, vals_ptr, idx_ptr, n, stride, CHUNK: tl.constexpr, K: tl.constexpr,
+                   K_P2: tl.constexpr):
+        """Program (row, chunk): the top K of x[row, chunk * CHUNK:][:CHUNK] to vals/idx[row, chunk * K:],
+        in descending order."""
         row = tl.program_id(0)
         chunk = tl.program_id(1)
-        offs = tl.arange(0, CHUNK)
-        cols = chunk * CHUNK + offs
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride + cols, mask=cols < n, other=float("-inf"))
-        # Real entries (even -inf ones: clamped to float32's min) stay above taken and padding ones (-inf).
+        # Real entries (even -inf ones: clamped to float32's min) rank above the padding (-inf).
         x = tl.where(cols < n, tl.maximum(x, -3.4028234663852886e38), x)
-        out = (row * tl.num_programs(1) + chunk) * K
-        for i in tl.static_range(K):
-            best, j = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            tl.store(vals_ptr + out + i, best)
-            tl.store(idx_ptr + out + i, chunk * CHUNK + j)
-            x = tl.where(offs == j, float("-inf"), x)
+        bits = x.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        keys = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - cols.to(tl.int64))
+        top = tl.topk(keys, K_P2)  # [K_P2], descending
+        rank = tl.arange(0, K_P2)
+        out = (row * tl.num_programs(1) + chunk) * K + rank
+        value = (top >> 32).to(tl.int32)
+        tl.store(vals_ptr + out, (value ^ ((value >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True),
+                 mask=rank < K)
+        tl.store(idx_ptr + out, 0xFFFFFFFF - (top & 0xFFFFFFFF), mask=rank < K)
 
     @triton.jit
-    def merge_topk(vals_ptr, idx_ptr, out_ptr, m, M: tl.constexpr, K: tl.constexpr):
-        """Program row: the top K of the m chunk winners vals/idx[row] (index order kept on ties)."""
+    def merge_topk(vals_ptr, idx_ptr, out_ptr, m, M: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr):
+        """Program row: the columns of the top K of the m chunk winners vals/idx[row], in descending order."""
         row = tl.program_id(0)
         offs = tl.arange(0, M)
         v = tl.load(vals_ptr + row * m + offs, mask=offs < m, other=float("-inf"))
-        ids = tl.load(idx_ptr + row * m + offs, mask=offs < m, other=0)
-        for i in tl.static_range(K):
-            best, j = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            tl.store(out_ptr + row * K + i, tl.sum(tl.where(offs == j, ids, 0), axis=0))
-            v = tl.where(offs == j, float("-inf"), v)
+        cols = tl.load(idx_ptr + row * m + offs, mask=offs < m, other=0xFFFFFFFF)
+        bits = v.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        keys = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - cols)
+        top = tl.topk(keys, K_P2)
+        rank = tl.arange(0, K_P2)
+        tl.store(out_ptr + row * K + rank, 0xFFFFFFFF - (top & 0xFFFFFFFF), mask=rank < K)
 
     return chunk_topk, merge_topk
 

@@ -301,18 +301,23 @@ def test_slot_mask_and_its_flex_blocks(n, m_extra, prefix, window, seed, shared)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton top-k runs on CUDA only")
-@pytest.mark.parametrize("shape", [(8, 49152), (1, 49152), (1, 64), (3, 5000), (2, 262144)])
-def test_triton_topk_equals_torch_topk(shape):
-    """fsd_eagle.kernels.topk on CUDA: torch.topk's values; on ties, distinct indices of equal values."""
+@pytest.mark.parametrize("k", [1, 8, 10, 32, 64])
+@pytest.mark.parametrize("shape", [(8, 49152), (1, 49152), (8, 16384), (1, 64), (3, 5000), (2, 262144), (2, 70)])
+def test_triton_topk_equals_torch_topk(shape, k):
+    """fsd_eagle.kernels.topk on CUDA: torch.topk's values and indices, in descending order; among equal
+    values the lower index first, -inf entries ranked too."""
     from fsd_eagle.kernels import topk
 
-    x = torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    vals, idx = topk(x, 8)
-    ref = x.topk(8)
+    x = torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(k))
+    vals, idx = topk(x, k)
+    ref = x.topk(k)
     assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
-    x[:, 10:40] = 9.0
-    vals, idx = topk(x, 8)
-    assert (vals == 9).all() and torch.equal(idx, torch.arange(10, 18, device="cuda").expand(shape[0], 8))
+    x[:, 10:10 + k + 30] = 9.0
+    vals, idx = topk(x, k)
+    assert (vals == 9).all() and torch.equal(idx, torch.arange(10, 10 + k, device="cuda").expand(shape[0], k))
+    x[:, k - 1:] = float("-inf")  # the k-th is the first of the -inf entries
+    vals, idx = topk(x, k)
+    assert torch.equal(idx, torch.arange(k, device="cuda").expand(shape[0], k)) and vals[:, -1].eq(float("-inf")).all()
 
 
 def test_flex_backend_leaves_transformers_generate_on_stock_sdpa(tiny_llama):

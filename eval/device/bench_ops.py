@@ -3,9 +3,9 @@
 
 - top-k over the draft's vocabulary (rows x V float32 logits, k = top_k): torch.topk, two-stage variants,
   fsd_eagle.kernels.topk (checked against torch.topk first), and the small top-k over the k x k children;
-- ``pool_topk``: the pool of sampled children (k = 8 and 32 over a 16,384-token draft vocabulary and over
-  49,152 tokens, 1 and 8 rows): fsd_eagle.kernels.topk as a round runs it, the same kernels with other
-  chunk sizes and warps, the sort-based candidates of topk_sort.py (checked against torch.topk), torch.topk;
+- ``pool_topk``: the pool of sampled children (k = 8, 16 and 32 over a 16,384-token draft vocabulary, 1 and
+  8 rows): fsd_eagle.kernels.topk as a round runs it, its kernels with other chunk sizes and warps, the
+  max-reduction kernels of topk_passes.py (each checked against torch.topk), torch.topk;
 - FlexAttention for 1, 8 and 48 query rows over a 2048-slot cache with a ~500-token prefix, under
   kernel_options (query/key tile sizes, warps, stages);
 - one layer's tree attention of a batched round (``batch``): B = 8 or 64 rows of n = 1 (AR) or 64 (a
@@ -99,18 +99,19 @@ def bench_topk(v: int, k: int) -> list[dict]:
 
 
 def bench_pool_topk() -> list[dict]:
-    import topk_sort
+    import topk_passes
     from fsd_eagle.kernels import jit_kernels, launch_topk
 
-    passes = jit_kernels()
-    sort = (topk_sort.chunk_topk_sort, topk_sort.merge_topk_sort)
+    passes = (topk_passes.chunk_topk_passes, topk_passes.merge_topk_passes)
+    sort = jit_kernels()
     rows = []
-    for v, r, k in itertools.product((16384, 49152), (1, 8), (8, 32)):
+    for v, r, k in itertools.product((16384,), (1, 8), (8, 16, 32)):
         x = torch.randn(r, v, device="cuda")
         ref = x.topk(k)
         variants = {"kernel_topk": lambda x=x: kernel_topk(x, k), "torch_topk": lambda x=x: x.topk(k)}
-        for chunk, warps in itertools.product((512, 2048), (1, 4)):
+        for chunk, warps in itertools.product((512, 1024, 2048), (1, 2, 4)):
             variants[f"passes_c{chunk}_w{warps}"] = lambda x=x, c=chunk, w=warps: launch_topk(x, k, *passes, c, w)
+        for chunk, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8)):
             variants[f"sort_c{chunk}_w{warps}"] = lambda x=x, c=chunk, w=warps: launch_topk(x, k, *sort, c, w)
         for name, fn in variants.items():
             try:
