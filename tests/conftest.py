@@ -13,7 +13,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch._inductor.config
 
 # Tiny matmuls: thread start-up and contention with other processes cost far more than they save
 # (measured 10-100x slower with 2 threads on a busy 2-core machine). OMP_NUM_THREADS also keeps
@@ -21,11 +20,6 @@ import torch._inductor.config
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
-# Compiled-mode tests build scalar C++ kernels: the same graphs and fusions, without inductor's vectorized
-# variants of each loop, whose Python-side code generation took about a third of a cold compilation here
-# (one compiled chi-square test: 96 s -> 62 s on 2 cores). What these tests check, that our rounds trace
-# into one graph that inductor compiles and that decodes as eager rounds do, does not depend on it.
-torch._inductor.config.cpp.simdlen = 1
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
