@@ -20,7 +20,6 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
-
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 
