@@ -268,8 +268,8 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
 
 
 def _label(row: dict, with_tree: bool = False) -> str:
-    """A row's unique name: method (with divergence and threshold for FSD), the tree when a run compares
-    several (``with_tree``), backend, and the sampling settings when not greedy, e.g. ``eagle2_compiled``,
+    """A row's unique name: method (with divergence and threshold for FSD), the tree when the run names its
+    trees (``--trees``; ``with_tree``), backend, and the sampling settings when not greedy, e.g. ``eagle2_compiled``,
     ``fsd_kl_T1_graph_t0.7_p0.9``, ``eagle2_96-6-12-v16384_compiled_t0.7``."""
     name = row["method"] if row["method"] != "fsd" else f"fsd_{row['divergence']}_T{row['threshold']:g}"
     if with_tree and row.get("tree") not in (None, "ar"):
@@ -292,8 +292,10 @@ def row_wanted(patterns: list[str], row: dict, with_tree: bool = False) -> bool:
 def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
     """Copies of the method rows, rounded, with: speedup vs transformers ``generate`` and vs our AR with the
     same backend and sampling settings (same kernels; HF's row against the graph AR); for sampling rows, the
-    ratio to the same method's greedy row (``vs_greedy``); for greedy rows, token agreement with those ARs'
-    outputs (sampled texts differ by design, so they get none)."""
+    ratio to the same method's greedy row (``vs_greedy``: of the same tree, or else of the only greedy row of
+    that method, rule and backend, as when a preset samples with a tree of its own; ``greedy_tree`` then names
+    that row's tree); for greedy rows, token agreement with those ARs' outputs (sampled texts differ by
+    design, so they get none)."""
     from eval.metrics import token_agreement
 
     def settings(r: dict) -> tuple:
@@ -315,8 +317,13 @@ def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
         same = ar_rows.get(settings(row), ar_rows.get(("graph", 0.0, 1.0)))
         row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3) if same else None
         if row.get("temperature"):
-            base = greedy.get((row["method"], row.get("divergence"), row.get("threshold"), row["backend"],
-                               row.get("tree")))
+            rule = (row["method"], row.get("divergence"), row.get("threshold"), row["backend"])
+            base = greedy.get(rule + (row.get("tree"),))
+            if base is None:
+                of_rule = [r for key, r in greedy.items() if key[:4] == rule]
+                base = of_rule[0] if len(of_rule) == 1 else None
+                if base is not None:
+                    row["greedy_tree"] = base.get("tree")
             row["vs_greedy"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
         elif outputs.get(row["name"]) is not None and same:
             row["agreement_vs_ar"] = agreement(row, same)
@@ -516,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                     planned = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
                                **sampling, "children": children,
                                "tree": "ar" if method == "ar" else gen.tree_for(temperature).label}
-                    if not row_wanted(row_patterns(a.rows), planned, with_tree=len(trees) > 1):
+                    if not row_wanted(row_patterns(a.rows), planned, with_tree=bool(trees)):
                         continue
                     seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
                     row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs,
@@ -525,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                            **sampling, **({"children": children} if children != "top" else {}),
                            "tree": "ar" if method == "ar" else gen.tree_for(temperature).label, "prompts": len(prompts),
                            **row}
-                    row["name"] = _label(row, with_tree=len(trees) > 1)
+                    row["name"] = _label(row, with_tree=bool(trees))
                     outputs[row["name"]] = row.pop("outputs", None)
                     rows.append(row)
                     # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.

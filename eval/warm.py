@@ -37,9 +37,11 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
             children: list[str]) -> list[Warmup]:
     """One short compiled `eval speed` run per row configuration of the parsed options ``a``: each method
     (hf needs no compilation), each FSD divergence:threshold, each temperature and, when sampling, each kind of
-    children (the same rows the full run measures, in the same order, less those that ``--rows`` leaves out).
-    FSD rows of one divergence share their compiled code (the threshold is a number the round reads), so its
-    first threshold stands for all."""
+    children, and for drafting methods each of several ``--trees`` (the same rows the full run measures, in the
+    same order, less those that ``--rows`` leaves out). FSD rows of one divergence share their compiled code
+    (the threshold is a number the round reads), so its first threshold stands for all. Each tree gets a run of
+    its own because a process compiles one configuration after the other: six trees in one warm-up took about
+    15 minutes on an H200 host, where side by side they take about what one does."""
     from eval.speed import parse_trees, row_patterns, row_wanted, sampling_rows
 
     patterns = row_patterns(getattr(a, "rows", ""))
@@ -47,7 +49,7 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
     common: list[str] = []
     for key in SHAPE_OPTIONS:
         value = getattr(a, key, None)
-        if value is not None:
+        if value is not None and key != "trees":
             common += [f"--{key.replace('_', '-')}", str(value)]
     if getattr(a, "inductor_freezing", False):
         common.append("--inductor-freezing")
@@ -64,14 +66,20 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
             # the rows this compilation serves: every threshold of its divergence (one for other methods)
             thresholds = [t for d, t in fsd_rows if d == divergence] if method == "fsd" else [None]
             for t, kind in sampling_rows(method, temperatures, children):
-                rows = [{"method": method, "divergence": divergence, "threshold": threshold, "backend": "compiled",
-                         "temperature": t, "top_p": a.top_p if t else 1.0, "children": kind,
-                         "tree": "ar" if method == "ar" else tree} for threshold in thresholds for tree in trees or [None]]
-                if not any(row_wanted(patterns, row, with_tree=len(trees) > 1) for row in rows):
-                    continue
-                name = f"{method}{rule_name}_t{t:g}" + ("_sampled" if kind == "sampled" else "")
-                out.append(Warmup(name, tuple(common + ["--methods", method, *rule_options, "--temperatures",
-                                                        f"{t:g}", "--children", kind])))
+                # plain decoding's rows do not depend on the tree: one run for all
+                for tree in [None] if method == "ar" or len(trees) < 2 else trees:
+                    its_trees = trees if tree is None else [tree]
+                    rows = [{"method": method, "divergence": divergence, "threshold": threshold,
+                             "backend": "compiled", "temperature": t, "top_p": a.top_p if t else 1.0,
+                             "children": kind, "tree": "ar" if method == "ar" else each}
+                            for threshold in thresholds for each in its_trees or [None]]
+                    if not any(row_wanted(patterns, row, with_tree=bool(trees)) for row in rows):
+                        continue
+                    name = (f"{method}{rule_name}" + (f"_{tree.replace('/', '-')}" if tree else "") + f"_t{t:g}"
+                            + ("_sampled" if kind == "sampled" else ""))
+                    tree_options = ["--trees", ",".join(its_trees)] if its_trees else []
+                    out.append(Warmup(name, tuple(common + tree_options + [
+                        "--methods", method, *rule_options, "--temperatures", f"{t:g}", "--children", kind])))
     return out
 
 

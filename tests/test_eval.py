@@ -874,6 +874,28 @@ def test_speed_compares_several_trees_in_one_run(folders, tmp_path):
         eval_main(["speed", "--device", "cpu", "--trees", "6/3", "--out", str(tmp_path / "x.json")])
 
 
+def test_speed_rows_of_one_named_tree_and_a_sampling_tree_of_its_own(folders, tmp_path):
+    """A run given one tree names its rows by it (so a warm-up of one tree of a larger run measures the rows
+    that the larger run's --rows names), and a sampling row whose tree has no greedy row of its own is compared
+    with the only greedy row of its method (as a preset that samples with its own tree is), which it names."""
+    base = ["speed", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+            "--limit", "1", "--max-new-tokens", "6", "--repeats", "1", "--threads", "1", "--rows-only"]
+    one = tmp_path / "one.json"
+    assert eval_main(base + ["--methods", "eagle2", "--trees", "6/3/2", "--rows", "eagle2_6-3-2_*",
+                             "--out", str(one)]) == 0
+    assert [r["name"] for r in json.loads(one.read_text())["rows"]] == ["eagle2_6-3-2_graph"]
+    own = tmp_path / "own.json"
+    assert eval_main(base + ["--methods", "ar,eagle2", "--temperatures", "0,0.7", "--children", "sampled",
+                             "--trees", "6/3/2,6/2/3/p4", "--rows", "ar_*,eagle2_6-3-2_graph,eagle2_*-p4_*_sampled",
+                             "--out", str(own)]) == 0
+    rows = {r["name"]: r for r in json.loads(own.read_text())["rows"]}
+    assert sorted(rows) == ["ar_graph", "ar_graph_t0.7", "eagle2_6-2-3-p4_graph_t0.7_sampled", "eagle2_6-3-2_graph"]
+    sampled = rows["eagle2_6-2-3-p4_graph_t0.7_sampled"]
+    assert sampled["greedy_tree"] == "6/3/2"
+    assert abs(sampled["vs_greedy"] - sampled["tokens_per_s"] / rows["eagle2_6-3-2_graph"]["tokens_per_s"]) < 1.5e-3
+    assert rows["ar_graph_t0.7"]["vs_greedy"] is not None and "greedy_tree" not in rows["ar_graph_t0.7"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_sequences_nll_equals_one_forward_per_pair(arch):
     """Many pairs scored together (left padding, several forwards when the logit budget is small, an empty

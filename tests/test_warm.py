@@ -42,8 +42,9 @@ def test_one_warmup_per_row_configuration():
 
 
 def test_rows_choose_what_is_measured_and_warmed():
-    """--rows: glob patterns of row names; warm-ups only for the configurations of rows it keeps (with several
-    trees, names carry the tree), and each warm-up measures only those rows."""
+    """--rows: glob patterns of row names; warm-ups only for the configurations of rows it keeps (with --trees,
+    names carry the tree), and each warm-up measures only those rows. With several trees each drafting
+    configuration warms once per tree, in a run of its own (side by side), plain decoding once."""
     from eval.speed import row_patterns, row_wanted
 
     patterns = row_patterns("ar_*, eagle2_64-6-8-p16_*,eagle2_64-6-8-p32_compiled_t0.7_sampled,fsd_*p16*sampled")
@@ -55,9 +56,13 @@ def test_rows_choose_what_is_measured_and_warmed():
     assert row_wanted([], {**sampled, "children": "top"})
     a = _options(trees="64/6/8/p16,64/6/8/p32", rows=",".join(patterns))
     jobs = warmups(a, ["ar", "eagle2", "fsd"], [("kl", 1.0), ("reverse_kl", 1.0)], [0.0, 0.7], ["top", "sampled"])
-    assert [j.name for j in jobs] == ["ar_t0", "ar_t0.7", "eagle2_t0", "eagle2_t0.7", "eagle2_t0.7_sampled",
-                                      "fsdkl1_t0.7_sampled", "fsdreverse_kl1_t0.7_sampled"]
+    assert [j.name for j in jobs] == [
+        "ar_t0", "ar_t0.7", "eagle2_64-6-8-p16_t0", "eagle2_64-6-8-p16_t0.7", "eagle2_64-6-8-p16_t0.7_sampled",
+        "eagle2_64-6-8-p32_t0.7_sampled", "fsdkl1_64-6-8-p16_t0.7_sampled", "fsdreverse_kl1_64-6-8-p16_t0.7_sampled"]
     assert all(j.options[j.options.index("--rows") + 1] == a.rows for j in jobs)
+    trees = {j.name: j.options[j.options.index("--trees") + 1] for j in jobs}
+    assert trees["ar_t0"] == "64/6/8/p16,64/6/8/p32" and trees["eagle2_64-6-8-p32_t0.7_sampled"] == "64/6/8/p32"
+    assert all(trees[n] == "64/6/8/p16" for n in trees if "p16" in n) and all(j.options.count("--trees") == 1 for j in jobs)
     assert len(warmups(_options(rows="hf_*"), ["ar", "eagle2"], [], [0.0], ["top"])) == 0
 
 
