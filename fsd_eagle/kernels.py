@@ -2,6 +2,9 @@
 
 ``rejection_states``: the verifier's recursive-rejection states over a pool of children (see its docstring).
 
+``pool_draw``: one draft level's sampled children from each expanded node's pool, with the random numbers
+drawn in the kernel (see its docstring).
+
 ``topk``: the draft tree's top-k over a vocabulary. ``torch.topk`` on CUDA is a radix select of about a
 dozen kernels and memsets per call. Here one kernel takes each chunk's top k with one partial bitonic sort of
 value-index keys (``tl.topk``), and a second merges the chunk winners the same way (the global top k is among
@@ -22,6 +25,7 @@ MAX_K = 64  # the widest top-k the kernels take (a bitonic sort of the next powe
 MAX_CHUNKS = 64  # stage-1 programs per row at most: a longer row gets longer chunks (a smaller merge)
 MAX_POOL = 1024  # the widest p and r that rejection_states holds in registers (one row block)
 MAX_SLOTS = 64  # rejection_states unrolls the child slots
+MAX_DRAW_POOL = 128  # pool_draw ranks a pool by comparing every pair of its entries in registers
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +66,43 @@ def rejection_states(p, r, px, rx, exists, outside) -> tuple[torch.Tensor, ...]:
             kept.view(*lead, slots))
 
 
+def fits_pool_draw(vals: torch.Tensor, k: int) -> bool:
+    """Whether ``pool_draw`` runs the Triton kernel for pools ``vals [R, S]`` and ``k`` children: on CUDA
+    with Triton, float32, S at most MAX_DRAW_POOL."""
+    return (_TRITON_DRAW is not None and vals.is_cuda and vals.dim() == 2 and vals.dtype == torch.float32
+            and 0 < k <= vals.shape[1] <= MAX_DRAW_POOL)
+
+
+def pool_draw(vals: torch.Tensor, temperature: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, level: int,
+              rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k children of each of R = B x ``rows`` draft rows, drawn without replacement from the row's pool at its
+    batch row's temperature, for ``fits_pool_draw`` inputs: what ``tree._pool_children`` does with torch ops,
+    in one launch instead of four (the uniforms, the Gumbel keys, their top k, and the sort of the drawn
+    values), since a draft level's other kernels each take a few microseconds too.
+
+    vals ``[R, S]``: each row's pool logits in descending order (row b * rows + i: batch row b); temperature
+    ``[B]``; w1, w2 ``[B, D]``: the words of D draws (``RandomStream.words``), of which column ``level``
+    keys this one: element j of row (b, i) gets the uniform of mix32(mix32((i * S + j) ^ w1) ^ w2), as
+    ``RandomStream.uniform((rows, S), draw)`` would give it. Returns the drawn pool positions ``[R, k]`` in
+    draw order (Gumbel-top-k: the k largest vals / T - log(-log u), ties to the lower position) and the
+    drawn values in descending order ``[R, k]`` (the pool is sorted, so: in position order)."""
+    return _TRITON_DRAW(vals.contiguous(), temperature.float().contiguous(), w1.contiguous(), w2.contiguous(),
+                        level, rows, k)
+
+
+def launch_pool_draw(vals, temperature, w1, w2, level: int, rows: int, k: int, kernel
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel (as given: jitted, or wrapped for tracing); see ``pool_draw``."""
+    import triton
+
+    total, size = vals.shape
+    drawn = torch.empty((total, k), device=vals.device, dtype=torch.int64)
+    drawn_vals = torch.empty((total, k), device=vals.device, dtype=torch.float32)
+    kernel[(total,)](vals, temperature, w1, w2, drawn, drawn_vals, size, rows, level, w1.shape[1], K=k,
+                     S_P2=max(16, triton.next_power_of_2(size)))
+    return drawn, drawn_vals
+
+
 def launch_rejection_states(p, r, px, rx, exists, outside, kernel) -> tuple[torch.Tensor, ...]:
     """Run the kernel (as given: jitted, or wrapped for tracing) on ``p, r [R, S]``, ``px, rx, exists
     [R, slots]`` and ``outside [R]``; returns coef, mass, r_mass ``[R, slots + 1]`` and kept ``[R, slots]``."""
@@ -81,11 +122,12 @@ def launch_rejection_states(p, r, px, rx, exists, outside, kernel) -> tuple[torc
 def _register():
     """The Triton kernels as torch ops (inductor traces them into a compiled round), or None without Triton."""
     if importlib.util.find_spec("triton") is None:
-        return None, None
+        return None, None, None
     from torch.library import triton_op, wrap_triton
 
     chunk_topk, merge_topk = jit_kernels()
     states = jit_rejection_states()
+    draw = jit_pool_draw()
 
     @triton_op("fsd_eagle::topk", mutates_args=())
     def triton_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +139,12 @@ def _register():
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return launch_rejection_states(p, r, px, rx, exists, outside, wrap_triton(states))
 
-    return triton_topk, triton_rejection_states
+    @triton_op("fsd_eagle::pool_draw", mutates_args=())
+    def triton_pool_draw(vals: torch.Tensor, temperature: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         level: int, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch_pool_draw(vals, temperature, w1, w2, level, rows, k, wrap_triton(draw))
+
+    return triton_topk, triton_rejection_states, triton_pool_draw
 
 
 def topk_shape(n: int, k: int) -> tuple[int, int]:
@@ -231,5 +278,49 @@ def jit_rejection_states():
     return rejection_states_kernel
 
 
+def jit_pool_draw():
+    """The jitted pool-draw kernel (launch it with ``launch_pool_draw``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def pool_draw_kernel(vals_ptr, temp_ptr, w1_ptr, w2_ptr, drawn_ptr, dvals_ptr, size, rows, level, draws,
+                         K: tl.constexpr, S_P2: tl.constexpr):
+        """Program r: draft row r = b * rows + i. Ranks its pool by Gumbel key, comparing every pair of
+        entries (ties: the lower position first); the K best are the draws, stored in draw order at their
+        rank, and their values stored in position order."""
+        r = tl.program_id(0)
+        b = r // rows
+        col = tl.arange(0, S_P2)
+        live = col < size
+        v = tl.load(vals_ptr + r * size + col, mask=live, other=0.0)
+        t = tl.load(temp_ptr + b)
+        w1 = tl.load(w1_ptr + b * draws + level)
+        w2 = tl.load(w2_ptr + b * draws + level)
+        # rng.index_bits: mix32(mix32(index ^ w1) ^ w2), mix32 being lowbias32 on int64 words below 2^32 with
+        # each multiplication split into 16-bit halves (rng._mul32), as the torch code computes it
+        x = ((r - b * rows) * size + col).to(tl.int64) ^ w1
+        for half in tl.static_range(2):
+            x = x ^ (x >> 16)
+            x = ((x & 0xFFFF) * 0x7FEB352D + (((x >> 16) * 0x352D) << 16)) & 0xFFFFFFFF
+            x = x ^ (x >> 15)
+            x = ((x & 0xFFFF) * 0x846CA68B + (((x >> 16) * 0xA68B) << 16)) & 0xFFFFFFFF
+            x = x ^ (x >> 16)
+            if half == 0:
+                x = x ^ w2
+        bits = x
+        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = tl.where(live, v / t - tl.log(-tl.log(u)), float("-inf"))
+        g_i, g_j = g[:, None], g[None, :]
+        i_lt_j = col[:, None] < col[None, :]
+        rank = tl.sum(((g_i > g_j) | ((g_i == g_j) & i_lt_j)).to(tl.int32), 0)  # entries ranked before j
+        chosen = live & (rank < K)
+        tl.store(drawn_ptr + r * K + rank, col.to(tl.int64), mask=chosen)
+        place = tl.sum((chosen[:, None] & i_lt_j).to(tl.int32), 0)  # chosen entries before j
+        tl.store(dvals_ptr + r * K + place, v, mask=chosen)
+
+    return pool_draw_kernel
+
+
 # Resolved once at import: a lookup (or an lru_cache) inside a compiled round would break its graph.
-_TRITON_TOPK, _TRITON_REJECTION = _register()
+_TRITON_TOPK, _TRITON_REJECTION, _TRITON_DRAW = _register()

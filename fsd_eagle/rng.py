@@ -84,21 +84,41 @@ class RandomStream:
         """``key`` and ``counter`` with their batch dimension (0; see ``decode.mark_batch_dynamic``)."""
         return [(self.key, 0), (self.counter, 0)]
 
+    def words(self, draw: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two 32-bit words (int64) that key draw ``draw`` at each row's step: ``[B]`` each, or ``[B, D]``
+        for a ``[D]`` tensor of draw ids (one small kernel for several draws). ``bits`` mixes each element's
+        index with them (``index_bits``), and so does a kernel that draws its own numbers
+        (``fsd_eagle.kernels.pool_draw``)."""
+        step, k0, k1 = self.counter & _MASK32, self.key[:, 0], self.key[:, 1]
+        if isinstance(draw, torch.Tensor):
+            step, k0, k1 = step.unsqueeze(1), k0.unsqueeze(1), k1.unsqueeze(1)
+        w1 = mix32(k0 ^ _mul32(step, _GOLDEN) ^ draw)
+        return w1, mix32(k1 ^ w1)
+
     def bits(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
         """Random 32-bit words ``[B, *shape]`` (int64 in [0, 2^32)) of draw ``draw`` at each row's step."""
-        step = self.counter & _MASK32
-        k1 = mix32(self.key[:, 0] ^ _mul32(step, _GOLDEN) ^ draw)
-        k2 = mix32(self.key[:, 1] ^ k1)
-        n = 1
-        for s in shape:
-            n *= s
-        index = torch.arange(n, device=self.key.device).reshape(shape)
-        per_row = (-1,) + (1,) * len(shape)
-        return mix32(mix32(index ^ k1.view(per_row)) ^ k2.view(per_row))
+        return index_bits(*self.words(draw), shape)
 
     def uniform(self, shape: tuple[int, ...], draw: int) -> torch.Tensor:
         """float32 uniforms in (0, 1) ``[B, *shape]``: 24 random bits, offset by half a step (never 0 or 1)."""
-        return ((self.bits(shape, draw) >> 8).float() + 0.5) * (1.0 / (1 << 24))
+        return to_uniform(self.bits(shape, draw))
+
+
+def index_bits(w1: torch.Tensor, w2: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``[B, *shape]`` random 32-bit words: element i of row b is mix32(mix32(i ^ w1[b]) ^ w2[b]), i its index
+    in row-major order; w1, w2 ``[B]``: a draw's words (``RandomStream.words``)."""
+    n = 1
+    for s in shape:
+        n *= s
+    index = torch.arange(n, device=w1.device).reshape(shape)
+    per_row = (-1,) + (1,) * len(shape)
+    return mix32(mix32(index ^ w1.view(per_row)) ^ w2.view(per_row))
+
+
+def to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1) from random 32-bit words: their top 24 bits, offset by half a step (never 0
+    or 1; every value is exact in float32)."""
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
 # Draw ids of one step (the stream's counter tells the steps apart).

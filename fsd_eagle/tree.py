@@ -12,9 +12,10 @@ from typing import Protocol
 
 import torch
 
+from . import kernels
 from .config import TreeConfig
 from .kernels import topk
-from .rng import DRAW_CHILDREN
+from .rng import DRAW_CHILDREN, index_bits, to_uniform
 
 
 @dataclass
@@ -109,16 +110,17 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     b, s = root_state.shape
     pool = min(cfg.pool, root_logits.shape[-1])  # a pool larger than the draft vocabulary is all of it
     proposals: list[Proposal] = []
+    # every level's random words at once (draws DRAW_CHILDREN + level): one small kernel per round
+    words = rng.words(torch.arange(DRAW_CHILDREN, DRAW_CHILDREN + depth, device=dev)) if rng is not None and pool else None
 
     def children(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
         if rng is None:
             return _top_logprobs(logits, k, vocab)
         rows = logits.shape[0] // b
-        u = rng.uniform((rows, pool or logits.shape[1]), DRAW_CHILDREN + level).flatten(0, 1)
-        temp = temperature.repeat_interleave(rows).unsqueeze(1)
         if not pool:
-            return _sampled_children(logits, k, vocab, temp, u)
-        found = _pool_children(logits, k, pool, vocab, temp, u)
+            u = rng.uniform((rows, logits.shape[1]), DRAW_CHILDREN + level).flatten(0, 1)
+            return _sampled_children(logits, k, vocab, temperature.repeat_interleave(rows).unsqueeze(1), u)
+        found = _pool_children(logits, k, pool, vocab, temperature, words, level, rows)
         proposals.append(Proposal(found.logits.view(b, rows, pool), found.tokens.view(b, rows, pool)))
         return found.scores, found.children
 
@@ -205,16 +207,24 @@ def _sampled_children(logits: torch.Tensor, k: int, vocab: torch.Tensor | None, 
 
 
 def _pool_children(logits: torch.Tensor, k: int, pool: int, vocab: torch.Tensor | None, temperature: torch.Tensor,
-                   u: torch.Tensor) -> PoolDraw:
-    """k tokens of each row of draft logits ``[R, V_d]`` drawn without replacement from the row's ``pool``
-    most likely tokens at temperature T (softmax of their logits / T: the Gumbel-top-k of the pool's logits
-    with the uniforms ``u`` ``[R, pool]``), in the order drawn, scored as ``_sampled_children`` scores."""
+                   words: tuple[torch.Tensor, torch.Tensor], level: int, rows: int) -> PoolDraw:
+    """k tokens of each row of draft logits ``[R, V_d]`` (R = B x ``rows``, batch row-major) drawn without
+    replacement from the row's ``pool`` most likely tokens at its batch row's temperature T (``[B]``):
+    softmax of their logits / T, as the Gumbel-top-k of the pool's logits with the uniforms of draw
+    DRAW_CHILDREN + ``level`` (``words``: every level's, ``RandomStream.words``), in the order drawn, scored
+    as ``_sampled_children`` scores. On CUDA with Triton the draw is one kernel (``kernels.pool_draw``); the
+    torch ops below give the same draws (tests/test_engine.py compares them)."""
     logits = logits.float()
     vals, col = topk(logits, pool)  # [R, pool], the pool in descending order
-    _, drawn = topk(vals / temperature - torch.log(-torch.log(u)), k)  # positions in the pool, in draw order
-    logp = vals.gather(1, drawn) - logits.logsumexp(-1, keepdim=True)
+    if kernels.fits_pool_draw(vals, k):
+        drawn, drawn_vals = kernels.pool_draw(vals, temperature, *words, level, rows, k)
+    else:
+        u = to_uniform(index_bits(words[0][:, level], words[1][:, level], (rows, pool))).flatten(0, 1)
+        temp = temperature.repeat_interleave(rows).unsqueeze(1)
+        _, drawn = topk(vals / temp - torch.log(-torch.log(u)), k)  # positions in the pool, in draw order
+        drawn_vals = vals.gather(1, drawn).sort(dim=1, descending=True).values
     tokens = col if vocab is None else vocab[col]
-    return PoolDraw(logp.sort(dim=1, descending=True).values, tokens.gather(1, drawn), vals, tokens)
+    return PoolDraw(drawn_vals - logits.logsumexp(-1, keepdim=True), tokens.gather(1, drawn), vals, tokens)
 
 
 def _rerank(root_token, cand_tok, cand_score, cand_parent, cand_depth, q_logits, q_cands, cfg: TreeConfig) -> DraftTree:

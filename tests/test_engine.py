@@ -322,6 +322,37 @@ def test_triton_topk_equals_torch_topk(shape, k):
     assert torch.equal(idx, torch.arange(k, device="cuda").expand(shape[0], k)) and vals[:, -1].eq(float("-inf")).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton pool draw runs on CUDA only")
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("batch,rows,pool,k", [(1, 1, 16, 8), (1, 8, 16, 8), (3, 8, 32, 8), (2, 4, 4, 3),
+                                               (1, 8, 128, 10), (2, 1, 5, 5)])
+def test_pool_draw_kernel_draws_what_the_torch_ops_draw(batch, rows, pool, k, compiled):
+    """On CUDA a draft level's children from each node's pool are drawn by kernels.pool_draw (the random
+    numbers made in the kernel): the same children, in the same order, with the same scores, as the torch
+    ops that run on the CPU, from the same logits, seed and step, at every level; in a compiled function too."""
+    from fsd_eagle import kernels, tree as tree_module
+    from fsd_eagle.rng import DRAW_CHILDREN, RandomStream
+
+    gen = torch.Generator().manual_seed(pool * 7 + k)
+    logits = torch.randn(4, batch * rows, 300, generator=gen) * 3
+    temperature = torch.rand(batch, generator=gen) + 0.3
+    vocab = torch.randperm(1000, generator=gen)[:300].sort().values
+    draw = tree_module._pool_children
+    on_gpu = torch.compile(draw, fullgraph=True) if compiled else draw
+    for device, fn in (("cpu", draw), ("cuda", on_gpu)):
+        rng = RandomStream.create(device, 99, batch=batch)
+        rng.counter.add_(torch.arange(batch, device=device) + 3)
+        words = rng.words(torch.arange(DRAW_CHILDREN, DRAW_CHILDREN + 4, device=device))
+        found = [fn(logits[level].to(device), k, pool, vocab.to(device), temperature.to(device), words, level, rows)
+                 for level in range(4)]
+        if device == "cpu":
+            ref = found
+    assert kernels.fits_pool_draw(torch.zeros(1, pool, device="cuda"), k)
+    for got, want in zip(found, ref):
+        assert torch.equal(got.children.cpu(), want.children) and torch.equal(got.tokens.cpu(), want.tokens)
+        assert torch.allclose(got.scores.cpu(), want.scores, atol=1e-5)
+
+
 def test_flex_backend_leaves_transformers_generate_on_stock_sdpa(tiny_llama):
     """The registered attention function hands masks that are not ours to transformers' SDPA."""
     prompt = random_prompt(0, 128)[None]

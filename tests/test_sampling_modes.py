@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsd_eagle.kernels as kernels_module
+import fsd_eagle.tree as tree_module
 import fsd_eagle.verify as verify_module
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.config import FuzzyConfig, SamplingConfig, TreeConfig
@@ -328,8 +329,20 @@ def _proposal_not_truncated(monkeypatch):
     monkeypatch.setattr(verify_module, "_proposal_at_nodes", untruncated)
 
 
+def _drawn_colder(monkeypatch):
+    """Children from a pool drawn at a quarter of the call's temperature (nearly the pool's top k, in order;
+    on CUDA in kernels.pool_draw, elsewhere with torch ops) while the verifier takes them as drawn at the
+    call's temperature: the draws are not what the proposal says."""
+    draw = tree_module._pool_children
+
+    def colder(logits, k, pool, vocab, temperature, *rest):
+        return draw(logits, k, pool, vocab, temperature * 0.25, *rest)
+
+    monkeypatch.setattr(tree_module, "_pool_children", colder)
+
+
 BROKEN_POOL = {"keep_residual": _keep_residual, "drop_outside_mass": _drop_outside_mass,
-               "proposal_not_truncated": _proposal_not_truncated}
+               "proposal_not_truncated": _proposal_not_truncated, "drawn_colder": _drawn_colder}
 
 
 @pytest.mark.parametrize("mode", MODES.values())
