@@ -117,11 +117,30 @@ def truncated(r: torch.Tensor, m: int) -> torch.Tensor:
     return kept / kept.sum(1, keepdim=True)
 
 
+def lumped(p: torch.Tensor, q_logits: torch.Tensor, m: int, proposal_temperature: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's top m tokens of each row as m + 1 entries ``[N, m + 1]``: p on them and the target's mass
+    on every other token as one entry; the proposal softmax(q / proposal_temperature) restricted to them
+    and renormalised (0 on the last entry). Recursive rejection reads p off the proposal's support only
+    through its total (there r = 0 and p - r = p), so children drawn from the top m are accepted exactly as
+    often as over the whole vocabulary, at a sum over m + 1 entries per step."""
+    top = q_logits.topk(m, dim=-1)
+    p_top = p.gather(1, top.indices)
+    r = torch.softmax(top.values / proposal_temperature, -1)
+    return (torch.cat([p_top, (1 - p_top.sum(1, keepdim=True)).clamp(min=0)], 1),
+            torch.cat([r, torch.zeros_like(r[:, :1])], 1))
+
+
 def measure(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, positions: int, draws: int,
-            seed: int, truncate: tuple[int, ...] = ()) -> dict:
+            seed: int, truncate: tuple[int, ...] = (), proposal_temperatures: tuple[float, ...] = (),
+            whole: bool = True) -> dict:
     """Mean acceptance per k, deterministic and sampled (from the head's whole distribution, and from its
     top m for each m in ``truncate``: ``sampled_{k}_top{m}``, k <= m), on ``positions`` rows chosen at
-    random (the same rows for all)."""
+    random (the same rows for all). The proposal is the head at ``temperature``; each of
+    ``proposal_temperatures`` adds the children from the top m drawn at that temperature instead
+    (``sampled_{k}_top{m}_t{T}``; the rule stays lossless whatever the proposal). ``whole``: False skips the
+    children from the whole distribution (``sampled_{k}``: each draw a pass over the vocabulary, the bulk
+    of the time)."""
     g = torch.Generator().manual_seed(seed)
     rows = torch.randperm(p_logits.shape[0], generator=g)[:positions]
     p = torch.softmax(p_logits[rows] / temperature, -1)
@@ -129,9 +148,13 @@ def measure(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, 
     out = {"positions": int(rows.numel()), "draws": draws}
     for k in KS:
         out[f"deterministic_{k}"] = round(float(deterministic_acceptance(p, q_logits[rows], k).mean()), 4)
-        out[f"sampled_{k}"] = round(float(sampled_acceptance(p, r, k, draws, g).mean()), 4)
+        if whole:
+            out[f"sampled_{k}"] = round(float(sampled_acceptance(p, r, k, draws, g).mean()), 4)
         for m in (m for m in truncate if m >= k):
-            out[f"sampled_{k}_top{m}"] = round(float(sampled_acceptance(p, truncated(r, m), k, draws, g).mean()), 4)
+            for t, suffix in [(temperature, "")] + [(t, f"_t{t:g}") for t in proposal_temperatures]:
+                pool_p, pool_r = lumped(p, q_logits[rows], m, t)
+                out[f"sampled_{k}_top{m}{suffix}"] = round(float(
+                    sampled_acceptance(pool_p, pool_r, k, draws, g).mean()), 4)
     return out
 
 
@@ -150,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=64, help="Monte Carlo runs per position")
     ap.add_argument("--truncate", default="", help="comma-separated m: also children sampled from the head's top m "
                     "tokens only (e.g. 16,32,64)")
+    ap.add_argument("--proposal-temperatures", default="",
+                    help="comma-separated: also children from the top m (--truncate) drawn at these temperatures")
+    ap.add_argument("--no-whole", action="store_true",
+                    help="skip children from the head's whole distribution (the slow part); pools only")
     ap.add_argument("--head", help="head folder (default: the shipped head)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -164,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(f"--truncate takes whole numbers separated by commas, got {a.truncate!r}") from None
     if any(m < 1 for m in truncate):
         raise InputError("--truncate sizes must be >= 1")
+    try:
+        proposal_temperatures = tuple(float(x) for x in a.proposal_temperatures.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"--proposal-temperatures takes numbers separated by commas, got "
+                         f"{a.proposal_temperatures!r}") from None
+    if any(not t > 0 for t in proposal_temperatures) or (proposal_temperatures and not truncate):
+        raise InputError("--proposal-temperatures must be > 0, and need --truncate (the pools they draw from)")
     quiet_transformers()
     device = torch.device("cpu")
     model, tokenizer = load_target(None, device, torch.float32)
@@ -175,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p_logits, q_logits = teacher_forced(model, tokenizer, head, [q.turns[0] for q in chosen], a.temperature,
                                         a.new_tokens, a.seed)
     result = {"temperature": a.temperature, "prompts": len(chosen), "answer_positions": int(p_logits.shape[0]),
-              **measure(p_logits, q_logits, a.temperature, a.positions, a.draws, a.seed, truncate),
+              **measure(p_logits, q_logits, a.temperature, a.positions, a.draws, a.seed, truncate,
+                        proposal_temperatures, whole=not a.no_whole),
               "head": a.head or "the shipped head (fsd_eagle/heads/SmolLM2-135M-Instruct)",
               "device": f"cpu ({platform.machine()})", **versions(), "commit": git_commit(short=True),
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - t, 1),

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eval.multidraft import deterministic_acceptance, measure, rrsw, sampled_acceptance, teacher_forced, truncated  # noqa: E402
+from eval.multidraft import (deterministic_acceptance, lumped, measure, rrsw, sampled_acceptance,  # noqa: E402
+                             teacher_forced, truncated)
 from fsd_eagle.head import EagleHead, HeadConfig  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
@@ -86,6 +87,24 @@ def test_measure_reports_truncated_proposals_for_k_up_to_m():
     out = measure(p_logits, q_logits, temperature=0.7, positions=10, draws=16, seed=3, truncate=(2, 8))
     assert {k for k in out if "_top" in k} == {"sampled_1_top2", "sampled_2_top2", "sampled_1_top8", "sampled_2_top8",
                                                "sampled_4_top8", "sampled_8_top8"}
+
+
+def test_a_lumped_pool_is_accepted_as_the_whole_vocabulary():
+    """Children from the head's top m, with the target's mass off them as one entry, are accepted as often as
+    over the whole vocabulary (the same proposal, truncated); a colder or warmer proposal is measured too."""
+    g = torch.Generator().manual_seed(6)
+    q_logits = torch.randn(8, 60, generator=g) * 2
+    p = torch.softmax(q_logits + 0.5 * torch.randn(8, 60, generator=g), -1)
+    pool_p, pool_r = lumped(p, q_logits, 6, 1.0)
+    assert pool_p.shape == (8, 7) and torch.allclose(pool_p.sum(1), torch.ones(8)) and (pool_r[:, -1] == 0).all()
+    whole = sampled_acceptance(p, truncated(torch.softmax(q_logits, -1), 6), 3, 6000, g)
+    assert torch.allclose(sampled_acceptance(pool_p, pool_r, 3, 6000, g), whole, atol=0.03)
+    out = measure(q_logits + 0.5, q_logits, temperature=0.7, positions=8, draws=16, seed=3, truncate=(6,),
+                  proposal_temperatures=(0.5, 1.0))
+    assert {"sampled_2_top6", "sampled_2_top6_t0.5", "sampled_2_top6_t1", "sampled_2"} <= set(out)
+    pools = measure(q_logits + 0.5, q_logits, temperature=0.7, positions=8, draws=16, seed=3, truncate=(6,),
+                    whole=False)
+    assert "sampled_2" not in pools and "sampled_2_top6" in pools and "deterministic_2" in pools
 
 
 class _ChatTok:
