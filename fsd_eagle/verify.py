@@ -300,7 +300,8 @@ def _proposal_at_nodes(tree: DraftTree, probs: torch.Tensor, temperature: torch.
     else:
         return r, probs, 0.0, x, None
     p_d = probs.gather(2, support)
-    return r, p_d, (probs.sum(-1) - p_d.sum(-1)).clamp(min=0), cols, support
+    # p sums to 1 (a softmax): the mass off the columns needs no pass over the vocabulary
+    return r, p_d, (1.0 - p_d.sum(-1)).clamp(min=0), cols, support
 
 
 def _draft_columns(vocab: torch.Tensor, size: int) -> torch.Tensor:
