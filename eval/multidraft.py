@@ -146,15 +146,16 @@ def measure(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, 
     p = torch.softmax(p_logits[rows] / temperature, -1)
     r = torch.softmax(q_logits[rows] / temperature, -1)
     out = {"positions": int(rows.numel()), "draws": draws}
+    proposals = [(temperature, "")] + [(t, f"_t{t:g}") for t in proposal_temperatures]
+    pools = {(m, suffix): lumped(p, q_logits[rows], m, t) for m in truncate for t, suffix in proposals}
     for k in KS:
         out[f"deterministic_{k}"] = round(float(deterministic_acceptance(p, q_logits[rows], k).mean()), 4)
         if whole:
             out[f"sampled_{k}"] = round(float(sampled_acceptance(p, r, k, draws, g).mean()), 4)
         for m in (m for m in truncate if m >= k):
-            for t, suffix in [(temperature, "")] + [(t, f"_t{t:g}") for t in proposal_temperatures]:
-                pool_p, pool_r = lumped(p, q_logits[rows], m, t)
+            for _, suffix in proposals:
                 out[f"sampled_{k}_top{m}{suffix}"] = round(float(
-                    sampled_acceptance(pool_p, pool_r, k, draws, g).mean()), 4)
+                    sampled_acceptance(*pools[m, suffix], k, draws, g).mean()), 4)
     return out
 
 

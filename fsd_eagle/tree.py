@@ -111,7 +111,8 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     pool = min(cfg.pool, root_logits.shape[-1])  # a pool larger than the draft vocabulary is all of it
     proposals: list[Proposal] = []
     # every level's random words at once (draws DRAW_CHILDREN + level): one small kernel per round
-    words = rng.words(torch.arange(DRAW_CHILDREN, DRAW_CHILDREN + depth, device=dev)) if rng is not None and pool else None
+    words = None if rng is None or not pool else rng.words(torch.arange(DRAW_CHILDREN, DRAW_CHILDREN + depth,
+                                                                        device=dev))
 
     def children(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
         if rng is None:
