@@ -100,13 +100,14 @@ def _rowwise_class():
 
     class SymmRowwiseParallel(RowwiseParallel):
         """transformers' RowwiseParallel whose local inference path (a plain Linear without gradients) sums
-        with ``tp_all_reduce``; every other path is the base class's."""
+        with ``tp_all_reduce``; every other path is the base class's. Arguments after ``mesh`` (transformers
+        5.25 added ``config=``) pass through to the base class unread, so later additions do not break it."""
 
-        def transform_output_post_forward(self, module, output, mesh):
+        def transform_output_post_forward(self, module, output, mesh, *args, **kwargs):
             local = (isinstance(module, nn.Linear) and not isinstance(output, DTensor)
                      and isinstance(self.output_layouts, Replicate) and not output.requires_grad)
             if not local:
-                return super().transform_output_post_forward(module, output, mesh)
+                return super().transform_output_post_forward(module, output, mesh, *args, **kwargs)
             group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
             output = tp_all_reduce(output, use_group(group))
             if (bias := module._parameters.get("bias")) is not None:
