@@ -46,8 +46,9 @@ class GenerationResult:
 
 
 @dataclass
-class _Call:
-    """Validated arguments of one generation call."""
+class PreparedCall:
+    """Validated arguments of one generation call (``SpeculativeGenerator.prepare``): the prompt ids ``[L]``
+    on the target's device, the token budget, the acceptance rule, stop strings and seed."""
 
     prompt_ids: torch.Tensor
     max_new_tokens: int
@@ -319,8 +320,14 @@ class SpeculativeGenerator:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _prepare(self, prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive,
-                 children: str = "auto") -> _Call:
+    def prepare(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
+                stop: str | Sequence[str] | None = None, chat: bool | None = None, autoregressive: bool = False,
+                children: str = "auto") -> PreparedCall:
+        """Check one call's arguments (see ``generate``) and encode its prompt, without decoding: InputError or
+        ConfigError for anything this generator cannot run. ``max_new_tokens`` is lowered to what the model's
+        context leaves (``clipped`` says so). For servers and tools that run calls on sessions themselves
+        (``session_for``, fsd_eagle.schedule)."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, children=children)
@@ -341,7 +348,7 @@ class SpeculativeGenerator:
         if stop is not None and (not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop)):
             raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
         prompt_ids = torch.tensor(ids, dtype=torch.long, device=self.target.device)
-        return _Call(prompt_ids, max_new_tokens, AcceptanceRule(sampling, fuzzy or FuzzyConfig()),
+        return PreparedCall(prompt_ids, max_new_tokens, AcceptanceRule(sampling, fuzzy or FuzzyConfig()),
                      tuple(s for s in (stop or ()) if s), 0 if seed is None else seed,
                      autoregressive or self.drafter is None, clipped)
 
@@ -367,7 +374,7 @@ class SpeculativeGenerator:
         else:
             if batch_size is not None:
                 raise InputError("batch_size applies to a list of prompts")
-            calls = [self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
+            calls = [self.prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
                                    autoregressive, children)]
         with self._calls.hold():
             for i, piece in self._decode(calls, self._rows(len(calls), batch_size), streaming=True):
@@ -405,7 +412,7 @@ class SpeculativeGenerator:
             return results
         if batch_size is not None:
             raise InputError("batch_size applies to a list of prompts")
-        call = self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive,
+        call = self.prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat, autoregressive,
                              children)
         with self._calls.hold():
             return next(piece for _, piece in self._decode([call], 1) if isinstance(piece, GenerationResult))
@@ -434,7 +441,7 @@ class SpeculativeGenerator:
         return min(batch_size or BUCKETS[-1], prompts, BUCKETS[-1])
 
     def _prepare_many(self, prompts, max_new_tokens, temperature, top_p, top_k, fuzzy, seed, stop, chat,
-                      autoregressive, batch_size, children: str = "auto") -> list[_Call]:
+                      autoregressive, batch_size, children: str = "auto") -> list[PreparedCall]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise InputError("prompts must be a list of prompts")
         prompts = list(prompts)
@@ -452,7 +459,7 @@ class SpeculativeGenerator:
         calls = []
         for i, (prompt, s) in enumerate(zip(prompts, seeds)):
             try:
-                calls.append(self._prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, s, stop, chat,
+                calls.append(self.prepare(prompt, max_new_tokens, temperature, top_p, top_k, fuzzy, s, stop, chat,
                                            autoregressive, children))
             except InputError as e:
                 raise InputError(f"prompt {i}: {e}") from None
@@ -467,6 +474,16 @@ class SpeculativeGenerator:
                               fuzzy or FuzzyConfig())
         return self._session(not autoregressive, rule, batch)
 
+    def session_for(self, call: PreparedCall, rows: int = 1) -> Session:
+        """The kept session on which ``call`` decodes among ``rows`` prompts of its rule form (the session
+        ``generate`` uses: calls that differ only in rule numbers, seeds or prompts share it)."""
+        return self._session(not call.autoregressive, call.rule, rows)
+
+    def exclusive(self):
+        """A context manager that holds this generator for the calling thread, as a generation call does
+        (other threads' calls wait; see ``generate``): for a driver that runs sessions itself."""
+        return self._calls.hold()
+
     def _session(self, drafting: bool, rule: AcceptanceRule, rows: int) -> Session:
         """The kept session for ``rows`` prompts under ``rule``: calls that differ only in temperature,
         top-p, top-k, threshold, seed or prompts share one (and its graphs). The tree is the batch's
@@ -480,34 +497,26 @@ class SpeculativeGenerator:
             self._sessions[plan] = Session(self.engine, plan)
         return self._sessions[plan]
 
-    def _decode(self, calls: list[_Call], rows: int, streaming: bool = False
+    def _decode(self, calls: list[PreparedCall], rows: int, streaming: bool = False
                 ) -> Iterator[tuple[int, str | GenerationResult]]:
         """Decode ``calls`` (one rule form) on ``rows`` rows: yield (index, text piece) as text is accepted
         (with ``streaming``) and (index, GenerationResult) when a call ends."""
         session = self._session(not calls[0].autoregressive, calls[0].rule, rows)
         requests = [Request(c.prompt_ids, c.max_new_tokens, c.rule, c.seed, c.stats) for c in calls]
-        outputs = [_Output(self.tokenizer, self.eos_ids, c, streaming) for c in calls]
+        outputs = [TextOutput(self.tokenizer, self.eos_ids, c, streaming) for c in calls]
         scheduler = Scheduler(session, requests, rows)
         for i, tokens in scheduler.run():
-            out = outputs[i]
-            piece = out.add(tokens)
-            if piece:
-                yield i, piece
-            if out.ended:
-                scheduler.finish(i)
-                piece, result = out.finish()
-                if piece and streaming:
-                    yield i, piece
-                yield i, result
+            for item in outputs[i].take(tokens, scheduler, i):
+                yield i, item
 
 
-class _Output:
+class TextOutput:
     """The text of one call as its tokens arrive: ends it at EOS, a stop string or its token budget, and
     (``streaming``) gives the text that can be shown so far, holding back a tail that may still become a
     stop string. Without streaming and stop strings, text is decoded once, at the end."""
 
-    def __init__(self, tokenizer, eos_ids: frozenset, call: _Call, streaming: bool) -> None:
-        self.tokenizer, self.eos_ids, self.call = tokenizer, eos_ids, call
+    def __init__(self, tokenizer, eos_ids: frozenset, call: PreparedCall, streaming: bool) -> None:
+        self.tokenizer, self.eos_ids, self.call, self.streaming = tokenizer, eos_ids, call, streaming
         self.decodes = streaming or bool(call.stop)
         self.tokens: list[int] = []
         self.text = ""  # shown so far
@@ -538,6 +547,20 @@ class _Output:
             piece, self.text = visible[len(self.text):], visible
             return piece
         return ""
+
+    def take(self, tokens: list[int], scheduler: Scheduler, index: int) -> Iterator[str | GenerationResult]:
+        """Take the tokens that ``scheduler`` yielded for this call (its request ``index``): yield the text
+        that may be shown now, and once the call has ended (it is then finished on the scheduler) the rest
+        of its text (when streaming) and its GenerationResult."""
+        piece = self.add(tokens)
+        if piece:
+            yield piece
+        if self.ended:
+            scheduler.finish(index)
+            piece, result = self.finish()
+            if piece and self.streaming:
+                yield piece
+            yield result
 
     def finish(self) -> tuple[str, GenerationResult]:
         """The text not yet shown and the call's result."""

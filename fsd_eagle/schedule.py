@@ -20,8 +20,12 @@ from typing import Iterator
 import torch
 
 from .decode import DecodeStats, plan_cache
+from .errors import ConfigError
 from .session import FirstToken, PendingRound, Session
 from .verify import AcceptanceRule
+
+
+ROUND_END = None  # what an open-ended Scheduler.run yields at a round boundary (see Scheduler.run)
 
 
 @dataclass
@@ -58,35 +62,82 @@ class Scheduler:
     together take their rows in list order. Rows past ``rows`` stay idle."""
 
     def __init__(self, session: Session, requests: list[Request], rows: int | None = None,
-                 refill_at: int | None = None) -> None:
-        self.session, self.requests = session, requests
+                 refill_at: int | None = None, open_ended: bool = False, max_len: int | None = None) -> None:
+        self.session, self.requests = session, list(requests)
         self.rows = min(rows or session.batch, session.batch)
         self.refill_at = refill_at or refill_rows(self.rows)
-        self.finished: set[int] = set()  # requests the caller ended (EOS, stop string)
-        self.done: set[int] = set()  # requests whose row was released
-        self.produced = [0] * len(requests)
-        self.started_at = [0.0] * len(requests)
+        self.open_ended, self.max_len = open_ended, max_len
+        self.finished: set[int] = set()  # requests the caller ended (EOS, stop string, a client gone)
+        self.done: set[int] = set()  # requests whose row was released (or that ended before they started)
+        self.produced = [0] * len(self.requests)
+        self.started_at = [0.0] * len(self.requests)
         self.row_of: dict[int, int] = {}  # the row each started request decodes in
+        self.waiting: deque[int] = deque(start_order([r.prompt_ids.shape[0] for r in self.requests]))
+        self.running = 0  # rows decoding a request now
+
+    def submit(self, request: Request) -> int:
+        """Add ``request`` to an open-ended scheduler (``open_ended``; between two items of ``run``, from
+        the thread that iterates it): it waits behind those submitted before it and starts at a round
+        boundary. Returns its index. Its prompt and budget must fit the caches of ``max_len`` slots."""
+        if not self.open_ended:
+            raise ConfigError("submit() needs a Scheduler made with open_ended=True")
+        index = len(self.requests)
+        self.requests.append(request)
+        self.produced.append(0)
+        self.started_at.append(0.0)
+        self.waiting.append(index)
+        return index
+
+    @staticmethod
+    def cache_for(session: Session, context: int) -> int:
+        """Cache slots per row of an open-ended scheduler on ``session`` that hold any request whose prompt
+        and token budget add up to at most ``context`` tokens (graph prefills pad prompts: room for that)."""
+        padding = max((session.prompt_slots(n) - n for n in range(1, context + 1)), default=0)
+        return plan_cache(context + padding, 0, session.tree, 1)
+
+    def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether a request of ``prompt_len`` tokens and ``max_new_tokens`` fits an open-ended scheduler's
+        caches of ``max_len`` slots."""
+        s = self.session
+        return plan_cache(s.prompt_slots(prompt_len), max_new_tokens, s.tree, 1) <= (self.max_len or 0)
+
+    @property
+    def idle(self) -> bool:
+        """No request decoding or waiting."""
+        return not self.waiting and not self.running
 
     def finish(self, index: int) -> None:
-        """End request ``index`` after the tokens just yielded (its later tokens are dropped)."""
+        """End request ``index`` after the tokens just yielded (its later tokens are dropped); a request
+        still waiting leaves the queue at once."""
         self.finished.add(index)
+        if index in self.waiting:
+            self.waiting.remove(index)
+            self.done.add(index)
 
-    def run(self) -> Iterator[tuple[int, list[int]]]:
+    def run(self) -> Iterator[tuple[int, list[int]] | None]:
         """Yield (request index, new token ids) as rounds complete: a request's first token comes from its
         prefill, then each round adds at most depth + 1. At most ``max_new_tokens`` tokens per request.
+
+        An ``open_ended`` scheduler never returns: it allocates caches of ``max_len`` slots once, and after
+        each round, and whenever it has nothing to decode, it yields ``ROUND_END`` (None), where its driver
+        may ``submit`` requests, ``finish`` them, run other schedulers, or wait (while ``idle``) before it
+        resumes.
 
         With graph rounds the next round is launched before this one is read (so the host reads and
         detokenizes while the GPU computes), unless every decoding row may end in this round (a round
         computed in vain costs a whole round; waiting costs a launch). A request that ends while a round is
         in flight loses that round's tokens (dropped); its row is refilled after that round."""
-        s, reqs = self.session, self.requests
-        if not reqs:
+        s, reqs, waiting = self.session, self.requests, self.waiting
+        if self.open_ended:
+            if not self.max_len:
+                raise ConfigError("an open-ended Scheduler needs max_len (cache slots per row)")
+            s.allocate(self.max_len)
+        elif not reqs:
             return
-        granularity = 2048 if s.target.device.type == "cuda" else 256
-        s.allocate(max(plan_cache(s.prompt_slots(r.prompt_ids.shape[0]), r.max_new_tokens, s.tree, granularity)
-                       for r in reqs))
-        waiting = deque(start_order([r.prompt_ids.shape[0] for r in reqs]))
+        else:
+            granularity = 2048 if s.target.device.type == "cuda" else 256
+            s.allocate(max(plan_cache(s.prompt_slots(r.prompt_ids.shape[0]), r.max_new_tokens, s.tree, granularity)
+                           for r in reqs))
         owner: list[int | None] = [None] * self.rows
         most = min(s.tree.depth, s.tree.total_tokens - 1) + 1 if s.drafter is not None else 1
         ahead: tuple[PendingRound, tuple] | None = None
@@ -103,8 +154,12 @@ class Scheduler:
                                       [reqs[i].seed for i in take])
                 started = list(zip(rows, take, firsts))
             busy = [i for i in owner if i is not None]
+            self.running = len(busy)
             if not busy:
-                return
+                if not self.open_ended:
+                    return
+                yield ROUND_END  # idle: the driver submits a request (or waits for one) before resuming
+                continue
             current = ahead or (s.launch(), tuple(owner))
             may_continue = any(self.produced[i] + most < reqs[i].max_new_tokens for i in busy)
             ahead = (s.launch(), tuple(owner)) if s.use_graph and may_continue else None
@@ -125,6 +180,9 @@ class Scheduler:
                 st.accept_lengths.append(result.n_accepted)
                 st.mode, st.attention = s.mode, s.attention
                 yield from self._deliver(i, result.tokens, row, owner)
+            if self.open_ended:
+                self.running = sum(i is not None for i in owner)
+                yield ROUND_END
 
     def _deliver(self, i: int, tokens: list[int], row: int, owner: list) -> Iterator[tuple[int, list[int]]]:
         """Count a target forward and the tokens of request ``i`` (clipped to its budget), yield them, and

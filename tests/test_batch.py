@@ -111,6 +111,53 @@ def test_a_row_ended_early_is_refilled_and_the_rest_is_unchanged():
     assert any(eos in f for f in full)
 
 
+@pytest.mark.parametrize("drafter", ["head", "none"])
+def test_an_open_ended_scheduler_takes_requests_between_rounds_and_decodes_each_as_alone(drafter):
+    """Requests submitted at round boundaries while others decode (as a server submits them), one ended
+    while it waits and one ended mid-decode: each of the others equals its prompt alone; the scheduler
+    never returns, reports idle when drained, and ended requests free their rows."""
+    eng = engine("llama", "head")
+    plan = Plan(TREE, GREEDY.form, drafting=drafter == "head", batch=4)
+    session = Session(eng, plan)
+    ps = prompts(7, eng.target.vocab_size, seed=4)
+    budgets = [6 + 5 * (i % 3) for i in range(len(ps))]
+    scheduler = Scheduler(session, [], 4, open_ended=True, max_len=Scheduler.cache_for(session, 200))
+    assert scheduler.fits(40, 100) and not scheduler.fits(150, 100)
+    out: dict[int, list[int]] = {}
+    arrivals = {0: [0, 1], 2: [2, 3, 4], 3: [5], 5: [6]}  # round boundary -> prompts submitted there
+    index: dict[int, int] = {}
+    boundaries = 0
+    steps = scheduler.run()
+    cancelled_waiting, cancelled_running = 4, 1
+    for item in steps:
+        if item is None:
+            for p in arrivals.get(boundaries, []):
+                index[p] = scheduler.submit(Request(ps[p], budgets[p], GREEDY))
+                out[index[p]] = []
+            if boundaries == 2:
+                scheduler.finish(index[cancelled_waiting])  # a client gone before its request started
+            boundaries += 1
+            if scheduler.idle and boundaries > max(arrivals):
+                break
+            assert boundaries < 500
+            continue
+        i, tokens = item
+        out[i] += tokens
+        if i == index[cancelled_running] and len(out[i]) >= 2:
+            scheduler.finish(i)
+    assert scheduler.idle and len(scheduler.done) == len(ps)
+    for p in range(len(ps)):
+        got = out[index[p]]
+        if p == cancelled_waiting:
+            assert got == []
+        elif p == cancelled_running:
+            assert 2 <= len(got) < budgets[p] and got == alone(eng, plan, ps[p], budgets[p])[:len(got)]
+        else:
+            assert got == alone(eng, plan, ps[p], budgets[p])
+    with pytest.raises(ConfigError, match="open_ended"):
+        Scheduler(session, [], 4).submit(Request(ps[0], 3, GREEDY))
+
+
 def test_fewer_prompts_than_rows_and_a_one_token_budget():
     eng = engine("qwen3", "head")
     plan = Plan(TREE, GREEDY.form, batch=8)
