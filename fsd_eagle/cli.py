@@ -25,6 +25,7 @@ from .jsonl import json_type, parse_object
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 BATCH_SIZE = 16  # --input: prompts decoded together by default
+CPU_CONTEXT = 2048  # serve on the CPU: tokens of context per request by default (caches of every row hold it)
 PROGRESS_EVERY_S = 30.0  # --input, stderr not a terminal: seconds between progress lines
 INPUT_FIELDS = ("id", "prompt", "messages", "seed")
 # Settings a line might try to set for itself: refused, rather than silently ignored (other fields are
@@ -41,7 +42,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _generate_parser(sub) -> None:
-    from .attention import BACKENDS
     from .divergence import DIVERGENCES
 
     p = sub.add_parser("generate", help="generate text with speculative decoding")
@@ -56,9 +56,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"with --input: prompts decoded together (default {BATCH_SIZE})")
     p.add_argument("--quiet", action="store_true", help="no progress or statistics on stderr")
-    p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--head", help="draft head folder (default: the head shipped for the target, if any)")
-    p.add_argument("--draft-model", help="a small causal LM folder to draft with instead of a head")
+    _model_options(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -81,6 +79,19 @@ def _generate_parser(sub) -> None:
     p.add_argument("--autoregressive", action="store_true", help="plain decoding of the target (baseline)")
     p.add_argument("--no-chat", action="store_true",
                    help="use the prompt as raw text, no chat template (--input: \"prompt\" lines)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--tp-size", type=int, default=None,
+                   help="shard the target over N GPUs (tensor parallelism; launch with torchrun --nproc-per-node "
+                        "N, which sets the default); rank 0 prints")
+
+
+def _model_options(p) -> None:
+    """The options that choose the model, its drafter and how it runs: ``generate``'s and ``serve``'s."""
+    from .attention import BACKENDS
+
+    p.add_argument("--target", help="local transformers model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--head", help="draft head folder (default: the head shipped for the target, if any)")
+    p.add_argument("--draft-model", help="a small causal LM folder to draft with instead of a head")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--threads", type=int, default=None,
@@ -91,10 +102,57 @@ def _generate_parser(sub) -> None:
     p.add_argument("--attention", choices=BACKENDS, default=None,
                    help="tree attention of rounds (default: flex for compiled GPU rounds, where it pays off; "
                         "else sdpa)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--tp-size", type=int, default=None,
-                   help="shard the target over N GPUs (tensor parallelism; launch with torchrun --nproc-per-node "
-                        "N, which sets the default); rank 0 prints")
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests of one rule form decoded together (default 8; rounded up to a batch bucket)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait for a row; more are answered 429 (default 256)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens of context per request, prompt and completion (default: the model's on a GPU, "
+                        "at most 2048 on the CPU)")
+    p.add_argument("--api-key", default=os.environ.get("FSD_EAGLE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $FSD_EAGLE_API_KEY; none: open)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its folder's)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running requests finish (default 30)")
+    p.add_argument("--quiet", action="store_true", help="no start-up line on stderr")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``serve``: check the options, load the model, serve until SIGTERM (exit 0) or Ctrl-C (130)."""
+    try:
+        from .server.app import check_address, serve
+        from .server.serving import Settings
+    except ImportError as e:
+        raise FSDError(f"serve needs FastAPI, uvicorn and prometheus-client: pip install 'fsd-eagle[serve]' ({e.name} "
+                       "is missing)") from None
+    from .trees_presets import model_name
+
+    for name in ("max_batch", "max_queue"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if not args.drain_timeout >= 0:
+        raise InputError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InputError("--api-key is empty")
+    check_address(args.host, args.port)
+    args.tp_size, args.autoregressive, args.json = 1, False, False
+    args.total_tokens = args.depth = args.tree_top_k = args.draft_vocab = None
+    gen = load_generator(args)
+    limit = gen.target.max_positions
+    cap = limit if gen.target.device.type == "cuda" else min(limit, CPU_CONTEXT)
+    context = min(args.max_model_len or cap, limit)
+    name = args.served_model_name or model_name(gen.engine.model.config) or "fsd-eagle"
+    return serve(gen, Settings(name, context), args.host, args.port, args.max_batch, args.max_queue, args.api_key,
+                 args.drain_timeout, args.quiet)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -454,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in ("train", "bench"):
             return _checkout_module({"train": "training", "bench": "eval"}[argv[0]], argv[1:])
-        return run_generate(_parser().parse_args(argv))
+        args = _parser().parse_args(argv)
+        return run_serve(args) if args.command == "serve" else run_generate(args)
     except FSDError as e:
         if _reports():
             print(f"error: {e}", file=sys.stderr)
@@ -480,6 +539,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="fsd-eagle", description="EAGLE-2 + Fuzzy Speculative Decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     sub.add_parser("train", help="train a draft head (runs training/ from a checkout)", add_help=False)
     sub.add_parser("bench", help="run benchmarks (runs eval/ from a checkout)", add_help=False)
     return parser

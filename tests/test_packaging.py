@@ -51,6 +51,7 @@ def test_the_wheel_lists_the_presets(wheel):
     shipped = json.loads(zipfile.ZipFile(wheel).read("fsd_eagle/presets.json"))
     assert shipped == json.loads((ROOT / "fsd_eagle" / "presets.json").read_text(encoding="utf-8"))
     assert not [n for n in names if n.startswith("trees/")]  # the tuner stays in the checkout
+    assert {"fsd_eagle/server/app.py", "fsd_eagle/server/protocol.py", "fsd_eagle/server/engine.py"} <= set(names)
 
 
 def test_an_installed_wheel_reads_its_presets(wheel, tmp_path):

@@ -1,0 +1,239 @@
+"""The generator behind an async interface: one engine thread decodes every request of the server.
+
+Requests of one rule form (greedy, sampling, fuzzy; speculative or plain) decode as rows of one open-ended
+``Scheduler`` over the generator's session for that form (``SpeculativeGenerator.session_for``): a request
+joins the running batch at the next round boundary and leaves it when it ends, and requests that differ
+only in rule numbers (temperature, top-p, threshold), seeds or stop strings share rounds. Schedulers of
+different forms take rounds in turn, so no form waits for another to drain. Each request's rows decode
+what ``SpeculativeGenerator.generate`` decodes for it alone.
+
+The event loop talks to the thread through a queue of commands (submit, cancel, stop); the thread answers
+each job through its ``emit`` callback (thread-safe: ``loop.call_soon_threadsafe``), with text pieces
+(``Piece``), the final result (``Done``) or a one-line failure (``Failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from ..api import GenerationResult, PreparedCall, SpeculativeGenerator, TextOutput
+from ..errors import FSDError, out_of_memory_line
+from ..schedule import ROUND_END, Request, Scheduler
+from ..session import Session
+from .metrics import Metrics
+
+
+@dataclass
+class Piece:
+    text: str
+
+
+@dataclass
+class Done:
+    result: GenerationResult
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Piece | Done | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One choice of one request: its prepared call, whether it streams text, and where events go."""
+
+    call: PreparedCall
+    streaming: bool
+    emit: Callable[[Event], None]
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_at: float | None = None  # when its first token was decoded
+    last_at: float | None = None  # when its last tokens were decoded
+
+
+@dataclass
+class _Lane:
+    """The open-ended scheduler of one session (rule form) and the jobs on it, by request index."""
+
+    session: Session
+    scheduler: Scheduler
+    steps: Iterator
+    jobs: dict[int, tuple[Job, TextOutput]] = field(default_factory=dict)
+
+
+class QueueFull(FSDError):
+    """More requests wait than the server's ``max_queue``."""
+
+
+class EngineLoop:
+    """Runs ``gen``'s sessions on one thread for the server: ``submit`` jobs from any thread (the event
+    loop's), ``cancel`` them, ``close`` at shutdown. ``max_batch`` rows per rule form decode together;
+    at most ``max_queue`` jobs wait for a row; caches hold ``context`` tokens per row."""
+
+    def __init__(self, gen: SpeculativeGenerator, max_batch: int, max_queue: int, context: int,
+                 metrics: Metrics) -> None:
+        self.gen, self.max_batch, self.max_queue, self.context = gen, max_batch, max_queue, context
+        self.metrics = metrics
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.lanes: dict[int, _Lane] = {}  # by id(session)
+        self.waiting = 0  # jobs submitted and not yet started (read by submit's caller for 429)
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="fsd-eagle-engine", daemon=True)
+        self.ready = threading.Event()
+        self.failed: str | None = None
+
+    # ------------------------------------------------------------------ called from the event loop
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue ``jobs`` (the choices of one request, together): QueueFull when ``max_queue`` would be
+        exceeded (then none is queued)."""
+        with self._lock:
+            if self.waiting + len(jobs) > self.max_queue:
+                raise QueueFull(f"the server's queue is full ({self.max_queue} requests wait); retry later")
+            self.waiting += len(jobs)
+        self.metrics.queue_depth.set(self.waiting)
+        self.commands.put(("submit", jobs))
+
+    def cancel(self, jobs: list[Job]) -> None:
+        """End ``jobs`` (a client went away): each frees its row at the next round boundary."""
+        self.commands.put(("cancel", jobs))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread; jobs still running fail."""
+        self.commands.put(("stop", None))
+        self.thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        try:
+            with self.gen.exclusive():
+                self.ready.set()
+                while True:
+                    if not self._take_commands(block=all(lane.scheduler.idle for lane in self.lanes.values())):
+                        break
+                    for key, lane in list(self.lanes.items()):
+                        if not lane.scheduler.idle:
+                            self._step(key, lane)
+        except Exception as e:  # the thread's last word: every job still known fails with one line
+            self.failed = _one_line(e)
+            self.ready.set()
+        for lane in self.lanes.values():
+            for job, _ in lane.jobs.values():
+                job.emit(Failed(self.failed or "the server is shutting down"))
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply the queued commands (waiting for one when ``block``); False once told to stop."""
+        while True:
+            try:
+                kind, jobs = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return True
+            if kind == "stop":
+                return False
+            for job in jobs:
+                if kind == "cancel":
+                    self._cancel(job)
+                    continue
+                try:
+                    self._admit(job)
+                except Exception as e:  # e.g. no memory for a new session: this request fails alone
+                    self._started(1)
+                    self.metrics.requests.labels(status="error").inc()
+                    job.emit(Failed(_one_line(e)))
+            block = False
+
+    def _admit(self, job: Job) -> None:
+        session = self.gen.session_for(job.call, self.max_batch)
+        key = id(session)
+        lane = self.lanes.get(key)
+        if lane is None:
+            max_len = Scheduler.cache_for(session, self.context)
+            scheduler = Scheduler(session, [], self.max_batch, open_ended=True, max_len=max_len)
+            lane = self.lanes[key] = _Lane(session, scheduler, scheduler.run())
+        c = job.call
+        index = lane.scheduler.submit(Request(c.prompt_ids, c.max_new_tokens, c.rule, c.seed, c.stats))
+        lane.jobs[index] = (job, TextOutput(self.gen.tokenizer, self.gen.eos_ids, c, job.streaming))
+
+    def _cancel(self, job: Job) -> None:
+        for lane in self.lanes.values():
+            for index, (j, _) in list(lane.jobs.items()):
+                if j is job:
+                    if index in lane.scheduler.waiting:
+                        self._started(1)
+                    lane.scheduler.finish(index)
+                    del lane.jobs[index]
+                    self.metrics.requests.labels(status="cancelled").inc()
+
+    def _started(self, count: int) -> None:
+        with self._lock:
+            self.waiting -= count
+        self.metrics.queue_depth.set(self.waiting)
+
+    def _step(self, key: int, lane: _Lane) -> None:
+        """Run ``lane`` to its next round boundary, delivering what it yields."""
+        waiting_before = len(lane.scheduler.waiting)
+        try:
+            for item in lane.steps:
+                if item is ROUND_END:
+                    break
+                self._deliver(lane, *item)
+        except Exception as e:  # a failed round fails the requests of its lane alone; the lane starts afresh
+            message = _one_line(e)
+            for job, _ in lane.jobs.values():
+                job.emit(Failed(message))
+                self.metrics.requests.labels(status="error").inc()
+            self._started(len(lane.scheduler.waiting))
+            del self.lanes[key]
+            return
+        self._started(waiting_before - len(lane.scheduler.waiting))
+        self.metrics.rounds.inc()
+        self.metrics.set_running(sum(lane.scheduler.running for lane in self.lanes.values()))
+
+    def _deliver(self, lane: _Lane, index: int, tokens: list[int]) -> None:
+        entry = lane.jobs.get(index)
+        if entry is None:  # cancelled: its row frees itself
+            lane.scheduler.finish(index)
+            return
+        job, output = entry
+        now = time.perf_counter()
+        if job.first_at is None:
+            job.first_at = now
+            self.metrics.time_to_first_token.observe(now - job.submitted_at)
+        elif tokens:
+            gap = (now - job.last_at) / len(tokens)
+            for _ in tokens:
+                self.metrics.inter_token_latency.observe(gap)
+        job.last_at = now
+        for item in output.take(tokens, lane.scheduler, index):
+            if isinstance(item, str):
+                job.emit(Piece(item))
+            else:
+                del lane.jobs[index]
+                self.metrics.count_result(len(job.call.prompt_ids), item)
+                job.emit(Done(item))
+
+
+def _one_line(error: BaseException) -> str:
+    oom = out_of_memory_line(error, "lower --max-batch or the requests' max_tokens") if isinstance(
+        error, RuntimeError) else None
+    return oom or " ".join(f"{type(error).__name__}: {error}".split())[:500]
+
+
+def emitter(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) -> Callable[[Event], None]:
+    """An ``emit`` for a Job that puts its events on ``inbox``, an asyncio queue of ``loop``."""
+    def emit(event: Event) -> None:
+        loop.call_soon_threadsafe(inbox.put_nowait, event)
+    return emit
