@@ -52,9 +52,13 @@ def _generate_parser(sub) -> None:
                         "\"messages\" (chat), optional \"id\" (default: the line number) and \"seed\"")
     p.add_argument("--output", metavar="FILE",
                    help="with --input: JSON-lines results, appended as each prompt finishes (completion order); "
-                        "ids already in the file are skipped, so rerunning resumes (default or '-': stdout)")
+                        "results already in the file are skipped, so rerunning resumes; a file of another input, "
+                        "settings or model is refused (default or '-': stdout)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"with --input: prompts decoded together (default {BATCH_SIZE})")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --output: start afresh an output file of another run (only one that this command "
+                        "wrote: other files are never touched)")
     p.add_argument("--quiet", action="store_true", help="no progress or statistics on stderr")
     _model_options(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -162,8 +166,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise InputError("give one prompt, or --input FILE for a JSON-lines file of prompts" if args.prompt is None
                          else "give one prompt or --input FILE, not both")
-    if args.input is None and (args.output is not None or args.batch_size is not None):
-        raise InputError(f"{'--output' if args.output is not None else '--batch-size'} applies to --input")
+    if args.input is None and (args.output is not None or args.batch_size is not None or args.overwrite):
+        flag = "--output" if args.output is not None else "--batch-size" if args.batch_size is not None else "--overwrite"
+        raise InputError(f"{flag} applies to --input")
     if args.input is not None and args.json:
         raise InputError("--json applies to one prompt (with --input every output line is a JSON object)")
     fuzzy = FuzzyConfig(threshold=parse_threshold(args.threshold), divergence=args.divergence,
@@ -433,13 +438,17 @@ def run_batch(args: argparse.Namespace, kwargs: dict) -> int:
     from . import parallel
 
     rows = read_prompt_lines(args.input)
+    digests = [prompt_digest(r) for r in rows]
     if not parallel.is_main_rank():  # rank 0 writes; the others decode the same prompts
         out = _StdoutResults()
+    elif args.output in (None, "-"):
+        out = _StdoutResults()
     else:
-        out = _StdoutResults() if args.output in (None, "-") else ResultsFile(Path(args.output))
+        out = ResultsFile(Path(args.output), run_fingerprint(args, kwargs, digests), overwrite=args.overwrite)
     try:
         done = parallel.share(out.done)
-        todo = [r for r in rows if id_key(r.id) not in done]
+        todo_at = [i for i, r in enumerate(rows) if (id_key(r.id), digests[i]) not in done]
+        todo = [rows[i] for i in todo_at]
         where = "stdout" if isinstance(out, _StdoutResults) else args.output
         if not todo:
             if not args.quiet:
@@ -455,7 +464,7 @@ def run_batch(args: argparse.Namespace, kwargs: dict) -> int:
             for index, result in _numbered(gen.generate_many([r.prompt for r in todo], **run), todo):
                 if progress and isinstance(out, _StdoutResults):
                     progress.clear()  # stdout may be the same terminal
-                out.write({"id": todo[index].id, **result.to_dict()})
+                out.write({"id": todo[index].id, "prompt_sha256": digests[todo_at[index]], **result.to_dict()})
                 if progress:
                     progress.update(result.stats.new_tokens)
             completed = True
@@ -467,6 +476,32 @@ def run_batch(args: argparse.Namespace, kwargs: dict) -> int:
     finally:
         out.close()
     return 0
+
+
+def prompt_digest(row: PromptLine) -> str:
+    """What a result record names its prompt by: the digest of the prompt (text or messages) and its seed."""
+    from .jsonl import fingerprint_digest
+
+    return fingerprint_digest({"prompt": row.prompt, "seed": row.seed})
+
+
+def run_fingerprint(args: argparse.Namespace, kwargs: dict, digests: list[str]) -> dict:
+    """What an --output file's results depend on: the input's prompts (ids and digests, in order), the
+    decoding settings, and the model, drafter and dtype (folders as resolved paths). A rerun on the same
+    file resumes only when all are equal."""
+    from .jsonl import fingerprint_digest
+
+    fuzzy = kwargs["fuzzy"]
+    settings = {k: v for k, v in kwargs.items() if k != "fuzzy"}
+    settings.update(threshold=fuzzy.threshold if fuzzy.threshold != float("inf") else "inf",
+                    divergence=fuzzy.divergence, fuzzy_mode=fuzzy.mode, support_top_k=fuzzy.support_top_k,
+                    total_tokens=args.total_tokens, depth=args.depth, tree_top_k=args.tree_top_k,
+                    draft_vocab=args.draft_vocab)
+    folder = lambda p: os.path.realpath(p) if p else None  # noqa: E731
+    return {"input": fingerprint_digest(digests),
+            "settings": settings,
+            "model": {"target": folder(args.target) or "default", "head": folder(args.head),
+                      "draft_model": folder(args.draft_model), "dtype": args.dtype}}
 
 
 def _numbered(results, rows: list[PromptLine]):

@@ -33,17 +33,20 @@ import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Sequence
 
 import torch
 
 from .errors import ConfigError, FSDError, InputError, ModelLoadError
 from .head import EagleHead, HeadConfig
 from .models import load_head, save_head
+from .outputs import check_replaceable, mark_ours
 
 FORMATS = ("eagle3", "speculators", "ours")
 SPECULATORS_VERSION = "0.3.0"  # the speculators release whose layout this writes
 DEFAULT_SPECULATIVE_TOKENS = 3
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float64: "float64"}
 
 
 def llama_layer_config(cfg: HeadConfig, dtype: torch.dtype) -> dict:
@@ -59,7 +62,7 @@ def llama_layer_config(cfg: HeadConfig, dtype: torch.dtype) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias, "mlp_bias": False,
         "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": theta, "rope_scaling": scaling,
         "vocab_size": cfg.vocab_size, "num_hidden_layers": 1, "tie_word_embeddings": False,
-        "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
+        "torch_dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
     }
 
 
@@ -76,7 +79,7 @@ def speculators_config(cfg: HeadConfig, dtype: torch.dtype, verifier_architectur
     """config.json of the speculators format (see the module docstring for its specification)."""
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION, "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
+        "speculators_version": SPECULATORS_VERSION, "torch_dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
         "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
         "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": list(cfg.layers),
         "transformer_layer_config": llama_layer_config(cfg, dtype),
@@ -101,14 +104,17 @@ def export_state(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict[str, tor
     return state
 
 
-def check_out(out: Path, force: bool, source: Path | None = None) -> None:
-    """``out`` must be new, an empty folder, or (with ``force``) a folder to replace; never the head read."""
-    if source is not None and out.resolve() == source.resolve():
-        raise InputError(f"--out {out} is the head folder being exported; choose another folder")
+def check_out(out: Path, force: bool, inputs: Sequence = ()) -> None:
+    """``out`` must be new, an empty folder, or (with ``force``) a head folder an export wrote (its MARK),
+    holding none of ``inputs`` (the head read, the target): never the head read or a folder around it."""
+    if any(i is not None and Path(i).exists() and Path(out).resolve() == Path(i).resolve() for i in inputs):
+        raise InputError(f"--out {out} is a folder this export reads; choose another folder")
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise InputError(f"--out {out} is not empty; pass --force to replace it")
+    if force:
+        check_replaceable(out, inputs, "--force")
 
 
 def write_head(head: EagleHead, out: str | Path, fmt: str, dtype: torch.dtype = torch.bfloat16, *,
@@ -140,6 +146,7 @@ def write_head(head: EagleHead, out: str | Path, fmt: str, dtype: torch.dtype = 
                       speculators_config(head.config, dtype, verifier_architectures, speculative_tokens))
             save_file(export_state(head, fmt, dtype), tmp / "model.safetensors", metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        mark_ours(tmp, f"exported head ({fmt})")
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         out, source = Path(args.out), Path(args.head)
-        check_out(out, args.force, source)
+        check_out(out, args.force, [source, args.target])
         if args.dtype is not None and args.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {args.dtype!r}; choose one of float32, bfloat16, float16")
         target = target_config(args.target) if args.target else None

@@ -7,6 +7,7 @@ Shared by the benchmark loaders (eval/), the trainer's data readers (training/) 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -62,16 +63,19 @@ def read_json_lines(path: Path, what: str) -> Iterator[tuple[int, dict[str, Any]
 
 def open_binary(path: Path, what: str) -> IO[bytes]:
     """Open a file for reading bytes, gunzipping it when it starts with the gzip magic; InputError if it
-    cannot be. Bytes, so that a reader can number the lines that are not UTF-8."""
+    cannot be. Bytes, so that a reader can number the lines that are not UTF-8. A pipe (``<(...)``, a FIFO)
+    is read once, its first bytes peeked at rather than reopened."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise InputError(f"{what} file {path} is a folder, not a file")
+    if not path.exists():
         raise InputError(f"{what} file not found: {path}")
     try:
-        with open(path, "rb") as f:
-            magic = f.read(2)
-        return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+        f = open(path, "rb")
     except OSError as e:
         raise InputError(f"cannot read {what} file {path}: {e.strerror or e}") from None
+    magic = f.peek(2)[:2] if isinstance(f, io.BufferedReader) else b""
+    return gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
 
 
 def id_key(value) -> str:
@@ -102,20 +106,33 @@ def json_line(obj: dict) -> bytes:
         return (json.dumps(obj) + "\n").encode("ascii")
 
 
+RESULTS_FORMAT = "fsd-eagle generate results"  # the header line's "format": what proves a results file ours
+
+
+def fingerprint_digest(obj) -> str:
+    """sha256 of ``obj`` as canonical JSON (sorted keys): how a results file names its input and prompts."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+
+
 class ResultsFile:
-    """An append-only JSON-lines file of records with an ``"id"``, written so that a killed run can be
-    resumed: every record is one ``write`` of a whole line, then flushed to disk (``os.fsync``), so that the
-    file holds complete lines plus, at worst, one torn last line. Opening it
+    """An append-only JSON-lines file of results, written so that a killed run can be resumed, and only over
+    a file that is provably its own. Its first line is a header ``{"format": RESULTS_FORMAT, "fingerprint":
+    {...}}``: what the run reads (a digest of its prompts), its settings, and its model and drafter; every
+    further line is a record with an ``"id"`` and the ``"prompt_sha256"`` of the prompt it answers. Every
+    record is one ``write`` of a whole line, then flushed to disk (``os.fsync``), so that the file holds
+    complete lines plus, at worst, one torn last line. Opening it
 
     - takes an exclusive lock (where the OS has ``fcntl``): a second run writing the same file is refused
       instead of interleaving lines;
-    - cuts a torn last line (bytes after the last newline: a line always ends with its newline, so these
-      are a write that did not finish) away;
-    - reads the ids already written (``done``, as ``id_key``s), refusing a file whose lines are not such
-      records (the file is then left as it was, torn tail included, since it is not ours).
+    - on a missing or empty file, writes the header;
+    - refuses, changing nothing, a file whose first line is not such a header (not ours), whose records are
+      not such records, or whose fingerprint differs from this run's (another input, settings or model),
+      unless ``overwrite``: then a file of ours starts afresh;
+    - cuts a torn last line of a file of ours (bytes after the last newline: a write that did not finish);
+    - reads the results already written (``done``: ``(id_key(id), prompt_sha256)`` pairs).
     """
 
-    def __init__(self, path: Path, what: str = "output"):
+    def __init__(self, path: Path, fingerprint: dict, what: str = "output", overwrite: bool = False):
         self.path = Path(path)
         self.what = what
         if self.path.exists() and not self.path.is_file():
@@ -126,7 +143,7 @@ class ResultsFile:
             raise InputError(f"cannot write {what} file {self.path}: {e.strerror or e}") from None
         try:
             self._lock()
-            self.done = self._read_done()
+            self.done = self._open(fingerprint, overwrite)
         except BaseException:
             os.close(self.fd)
             raise
@@ -141,23 +158,37 @@ class ResultsFile:
         except BlockingIOError:
             raise InputError(f"{self.what} file {self.path} is being written by another run") from None
 
-    def _read_done(self) -> set[str]:
+    def _open(self, fingerprint: dict, overwrite: bool) -> set[tuple[str, str]]:
         with open(self.fd, "rb", closefd=False) as f:
             f.seek(0)
             data = f.read()
+        header = {"format": RESULTS_FORMAT, "fingerprint": fingerprint}
+        if not data:
+            self.write(header)
+            return set()
+        first = data.split(b"\n", 1)[0] if b"\n" in data else b""
+        found = _json_object(first)
+        if found is None or found.get("format") != RESULTS_FORMAT or not isinstance(found.get("fingerprint"), dict):
+            raise InputError(f"{self.what} file {self.path} was not written by fsd-eagle generate (its first line is "
+                             f"no results header), so it is left as it is: pick another {self.what} file")
+        if found["fingerprint"] != fingerprint:
+            if not overwrite:
+                raise InputError(f"{self.what} file {self.path} holds the results of another run (other "
+                                 f"{_difference(found['fingerprint'], fingerprint)}): pick another {self.what} file, "
+                                 "or --overwrite to start it afresh")
+            os.ftruncate(self.fd, 0)
+            self.write(header)
+            return set()
         end = data.rfind(b"\n") + 1
         done = set()
-        for number, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+        for number, line in enumerate(data[len(first) + 1:end].split(b"\n")[:-1], 2):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
-                obj = None
-            if not isinstance(obj, dict) or not _is_id(obj.get("id")):
-                raise InputError(f"{self.what} file {self.path}, line {number}: not a record with an \"id\" from an "
-                                 f"earlier run; pick another {self.what} file")
-            done.add(id_key(obj["id"]))
+            obj = _json_object(line)
+            if obj is None or not _is_id(obj.get("id")) or not isinstance(obj.get("prompt_sha256"), str):
+                raise InputError(f"{self.what} file {self.path}, line {number}: not a result record (an \"id\" and a "
+                                 f"\"prompt_sha256\"); the file is left as it is: pick another {self.what} file")
+            done.add((id_key(obj["id"]), obj["prompt_sha256"]))
         if end < len(data):
             os.ftruncate(self.fd, end)
             os.fsync(self.fd)
@@ -180,6 +211,29 @@ class ResultsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _json_object(line: bytes) -> dict | None:
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _difference(old: dict, new: dict) -> str:
+    """Which parts of two fingerprints differ, in words: "input", "settings (temperature)", "model"."""
+    parts = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            fields = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            parts.append(f"{key} ({', '.join(fields)})")
+        else:
+            parts.append(key)
+    return ", ".join(parts) or "fingerprint"
 
 
 def _is_id(value) -> bool:

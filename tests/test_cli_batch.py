@@ -39,7 +39,11 @@ def write_lines(path: Path, *lines) -> Path:
 
 
 def read_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The result records of an --output file (its first line is the run's header)."""
+    header, *records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert header["format"] == "fsd-eagle generate results" and set(header["fingerprint"]) == {"input", "settings",
+                                                                                                 "model"}
+    return records
 
 
 def run(capfd, argv):
@@ -175,7 +179,7 @@ def test_resume_after_interrupt_and_torn_line(folders, single, tmp_path, capfd, 
 
     missing = sorted({1, 2, 3, 4} - set(first))
     with open(out, "ab") as f:  # a kill in the middle of writing the third line
-        f.write(b'{"id": %d, "text": "w1' % missing[0])
+        f.write(b'{"id": %d, "prompt_sha256": "ab' % missing[0])
     rc, _, err = run(capfd, argv)
     assert rc == 0, err
     assert "2 prompts" in err and "2 were already in" in err
@@ -184,8 +188,8 @@ def test_resume_after_interrupt_and_torn_line(folders, single, tmp_path, capfd, 
     assert {r["id"]: r["text"] for r in results} == {i + 1: single[p]["text"] for i, p in enumerate(PROMPTS)}
 
     # all done: nothing to generate, the model is not even loaded
-    rc, _, err = run(capfd, ["generate", "--input", str(src), "--output", str(out),
-                             *model_args(folders, target=tmp_path / "no_model")])
+    monkeypatch.setattr(cli, "load_generator", lambda args: pytest.fail("the model was loaded"))
+    rc, _, err = run(capfd, argv)
     assert rc == 0 and err == f"all 4 prompts are already in {out}\n"
     assert read_results(out) == results
 
@@ -321,7 +325,10 @@ BAD_RUNS = {
     "output is the input": (["--input", "{src}", "--output", "{src}"], "is the --input file"),
     "output folder missing": (["--input", "{src}", "--output", "{tmp}/no/out.jsonl"], "cannot write output file"),
     "output of something else": (["--input", "{src}", "--output", "{tmp}/other.jsonl"],
-                                 "other.jsonl, line 2: not a record with an \"id\""),
+                                 "other.jsonl was not written by fsd-eagle generate"),
+    "output a folder": (["--input", "{src}", "--output", "{tmp}"], "is not a regular file"),
+    "input a folder": (["--input", "{tmp}"], "is a folder, not a file"),
+    "overwrite without input": (["w5", "--overwrite"], "--overwrite applies to --input"),
     "too long for the model": (["--input", "{tmp}/long.jsonl"], "input line 3: the prompt has 601 tokens"),
 }
 
@@ -371,3 +378,76 @@ def test_files_are_replaced_whole(tmp_path, monkeypatch):
     assert path.read_text() == "old\n" and sorted(p.name for p in path.parent.iterdir()) == ["result.json"]
     write_text_atomic(path, "new\n")
     assert path.read_text() == "new\n"
+
+
+# ---------------------------------------------------------------------------------- nothing lost
+
+
+@pytest.mark.parametrize("content", [b'{"a": 1}', b'{"a": 1}\n', b"notes\nmore notes", b'{"id": 1, "text": "w5"}\n'],
+                         ids=["json-no-newline", "json-line", "text", "old-results"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_file_that_is_not_ours_is_never_changed(folders, tmp_path, capfd, content, overwrite):
+    """A file that a run of ours did not write (no results header) is refused in one line and left byte for
+    byte, before the model loads, with --overwrite too."""
+    src = write_lines(tmp_path / "in.jsonl", {"prompt": "w5"})
+    out = tmp_path / "notes.json"
+    out.write_bytes(content)
+    argv = ["generate", "--input", str(src), "--output", str(out), *model_args(folders, target=tmp_path / "no_model")]
+    rc, _, err = run(capfd, argv + (["--overwrite"] if overwrite else []))
+    assert rc == 2 and err.count("\n") == 1 and "was not written by fsd-eagle generate" in err, err
+    assert out.read_bytes() == content
+
+
+@pytest.mark.parametrize("change", ["input", "max_new_tokens", "temperature", "target", "inserted line"])
+def test_a_rerun_of_another_run_on_the_same_output_is_refused_or_starts_afresh(folders, single, tmp_path, capfd,
+                                                                               change):
+    """The output's header holds the run's fingerprint: another input file, other settings or another model
+    refuse to resume it (one line, nothing changed); --overwrite starts that file of ours afresh."""
+    src = write_lines(tmp_path / "in.jsonl", *({"prompt": p} for p in PROMPTS[:3]))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(src), "--output", str(out), "--quiet", *model_args(folders)]
+    assert run(capfd, argv)[0] == 0
+    before = out.read_bytes()
+    other = tmp_path / "target2"
+    if change == "target":
+        import shutil
+
+        shutil.copytree(folders / "target", other)
+    again = list(argv)
+    if change == "input":
+        again[again.index(str(src))] = str(write_lines(tmp_path / "in2.jsonl", {"prompt": PROMPTS[3]}))
+    elif change == "inserted line":  # ids are line numbers: every prompt after it moves
+        write_lines(src, {"prompt": PROMPTS[3]}, *({"prompt": p} for p in PROMPTS[:3]))
+    elif change == "target":
+        again[again.index(str(folders / "target"))] = str(other)
+    else:
+        again += ["--max-new-tokens", "5"] if change == "max_new_tokens" else ["--temperature", "0.5"]
+    rc, _, err = run(capfd, again)
+    assert rc == 2 and err.count("\n") == 1 and "holds the results of another run" in err, err
+    assert out.read_bytes() == before
+    rc, _, err = run(capfd, again + ["--overwrite"])
+    assert rc == 0, err
+    records = read_results(out)
+    if change in ("input", "inserted line", "target"):
+        prompts = [PROMPTS[3]] if change == "input" else PROMPTS[3:] + PROMPTS[:3] if change == "inserted line" \
+            else PROMPTS[:3]
+        assert sorted((r["id"], r["text"]) for r in records) == sorted(
+            (i + 1, single[p]["text"]) for i, p in enumerate(prompts))
+
+
+def test_input_from_a_pipe(folders, single, tmp_path, capfd):
+    """--input <(...) and a FIFO are read once, as a file would be."""
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    lines = "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[:2]))
+    import threading
+
+    writer = threading.Thread(target=lambda: fifo.write_text(lines))
+    writer.start()
+    try:
+        rc, stdout, err = run(capfd, ["generate", "--input", str(fifo), "--quiet", *model_args(folders)])
+    finally:
+        writer.join(30)
+    assert rc == 0, err
+    assert {r["id"]: r["text"] for r in map(json.loads, stdout.splitlines())} == {
+        i: single[p]["text"] for i, p in enumerate(PROMPTS[:2])}

@@ -74,7 +74,7 @@ def test_export_writes_the_published_keys_shapes_dtypes_and_config(model, tmp_pa
     head, folder = saved_head(model, tmp_path)
     assert export(folder, "--format", fmt, "--out", tmp_path / "out") == 0
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".fsd-eagle", "config.json", "model.safetensors"]  # + our mark
     shapes = expected_shapes(model.config, layer)
     with safe_open(out / "model.safetensors", framework="pt") as f:
         assert sorted(f.keys()) == EXPECTED_KEYS[fmt]
@@ -131,6 +131,8 @@ def test_an_eagle2_head_exports_only_in_our_format(model, tmp_path, capsys):
 
 
 def test_a_bad_out_is_refused_with_one_line_unless_forced(model, tmp_path, capsys):
+    """--out must be new or empty; --force replaces only a head folder that an export wrote (its .fsd-eagle
+    file), never a folder of anything else, the head read, or a folder that holds the head read."""
     _, folder = saved_head(model, tmp_path)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("x")
@@ -139,12 +141,28 @@ def test_a_bad_out_is_refused_with_one_line_unless_forced(model, tmp_path, capsy
         assert export(folder, "--format", "eagle3", "--out", out) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1
-    assert (tmp_path / "busy" / "keep.txt").exists()
-    assert export(folder, "--format", "eagle3", "--out", tmp_path / "busy", "--force") == 0
-    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["config.json", "model.safetensors"]
+    for out, words in ((tmp_path / "busy", "was not written by fsd-eagle"), (folder, "a folder this export reads"),
+                       (folder.parent, "an input of this command")):
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert export(folder, "--format", "eagle3", "--out", out, "--force") == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert export(folder, "--format", "eagle3", "--out", tmp_path / "exported") == 0
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == [".fsd-eagle", "config.json",
+                                                                         "model.safetensors"]
+    assert export(folder, "--format", "speculators", "--out", tmp_path / "exported", "--force") == 0  # ours: replaced
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["speculators_model_type"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
     (tmp_path / "empty").mkdir()
     assert export(folder, "--format", "speculators", "--out", tmp_path / "empty") == 0
+
+
+def test_a_float64_head_exported_as_stored_says_float64(model, tmp_path):
+    head, _ = saved_head(model, tmp_path)
+    save_head(head.double(), tmp_path / "f64", dtype=torch.float64)
+    assert export(tmp_path / "f64", "--format", "eagle3", "--out", tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float64"
 
 
 def test_a_published_head_needs_a_target_to_export(model, tmp_path, capsys):

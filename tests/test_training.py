@@ -876,6 +876,30 @@ def test_out_folder_with_previous_run_needs_resume_or_overwrite(llama, tmp_path,
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_overwrite_never_removes_an_input_or_a_folder_that_is_not_a_run(llama, tmp_path, capsys):
+    """--overwrite clears only a run folder of ours (its .fsd-eagle file, or an older run's run.json), and
+    never one that holds the run's data, target or recipe: those are refused in one line, nothing removed."""
+    import shutil
+
+    inside = tmp_path / "holds_inputs"
+    shutil.copytree(llama.target, inside / "target")
+    shutil.copy(llama.data, inside / "data.jsonl")
+    shutil.copy(llama.recipe, inside / "recipe.json")
+    (inside / ".fsd-eagle").write_text("{}")  # even a folder marked ours is kept while it holds an input
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("years of work")
+    cases = [(llama.argv(inside, "--overwrite", data=inside / "data.jsonl"), inside, "an input of this command"),
+             (llama.argv(inside, "--overwrite", target=inside / "target"), inside, "an input of this command"),
+             (llama.argv(inside, "--overwrite", recipe=inside / "recipe.json"), inside, "an input of this command"),
+             (llama.argv(notes, "--overwrite"), notes, "was not written by fsd-eagle")]
+    for argv, folder, words in cases:
+        before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        assert main(argv) == 2
+        assert words in _one_line_error(capsys)
+        assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 def test_out_is_a_file(llama, tmp_path, capsys):
     out = _write(tmp_path / "out", "x")
     assert main(llama.argv(out)) == 2

@@ -17,6 +17,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
@@ -27,6 +28,7 @@ from fsd_eagle.config import TreeConfig
 from fsd_eagle.errors import ConfigError, FSDError, HeadMismatchError, InputError
 from fsd_eagle.head import EagleHead, HeadConfig, check_fit
 from fsd_eagle.jsonl import write_text_atomic
+from fsd_eagle.outputs import check_replaceable, clear_folder, mark_ours
 from fsd_eagle.models import (check_threads, head_weights_sha256, load_head, load_target, resolve_device,
                                resolve_dtype, set_threads)
 from fsd_eagle.target import Target
@@ -34,7 +36,7 @@ from fsd_eagle.target import Target
 from .data import main as data_main, read_conversations, write_conversations
 from .distill import conversation_of
 from .features import rank_tokens, tokenize_conversation
-from .fingerprint import check_resume, run_fingerprint, write_fingerprint
+from .fingerprint import FINGERPRINT_FILE, check_resume, run_fingerprint, write_fingerprint
 from .recipe import Recipe, field_problem
 from .ddp import Ranks, barrier, join, leave
 from .train import checkpoint_dir, export_head, train
@@ -76,19 +78,28 @@ def tokenize_all(tokenizer, tokenizer_dir: str, convs, max_len: int, workers: in
         return [e for e in pool.map(_tokenize, jobs, chunksize=64) if e is not None]
 
 
-def check_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """Fail before any work if ``out`` cannot take this run (nothing is written or deleted here)."""
+def check_out(out: Path, resume: bool, overwrite: bool, inputs: Sequence = ()) -> None:
+    """Fail before any work if ``out`` cannot take this run (nothing is written or deleted here): with
+    ``overwrite``, ``out`` must be a run folder of ours that holds none of the run's ``inputs``."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not (resume or overwrite):
         raise InputError(f"{out} already holds a training run: pass --resume to continue it or --overwrite")
+    if overwrite:
+        check_replaceable(out, inputs, "--overwrite", legacy=(FINGERPRINT_FILE,))
 
 
-def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
-    check_out(out, resume, overwrite)
-    if overwrite and out.exists() and any(out.iterdir()):
-        shutil.rmtree(out)
+def prepare_out(out: Path, resume: bool, overwrite: bool, inputs: Sequence = ()) -> None:
+    check_out(out, resume, overwrite, inputs)
+    if overwrite:
+        clear_folder(out, inputs, "--overwrite", legacy=(FINGERPRINT_FILE,))
     out.mkdir(parents=True, exist_ok=True)
+    mark_ours(out, "training run")
+
+
+def run_inputs(recipe: Recipe, recipe_path: str | None) -> list:
+    """The files and folders a training run reads: --overwrite never removes a folder holding one."""
+    return [*recipe.data, *recipe.extra_distilled, recipe.target, recipe.init, recipe_path]
 
 
 _DISTILL_KEYS = ("distill_count", "distill_turns", "distill_prompt_tokens", "distill_new_tokens",
@@ -240,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = recipe_of(args)
     quiet_transformers()  # stderr: our progress bars and one-line errors, not transformers' loading bars
     out = Path(args.out)
-    check_out(out, args.resume, args.overwrite)
+    inputs = run_inputs(recipe, args.recipe)
+    check_out(out, args.resume, args.overwrite, inputs)
     if not args.overwrite:
         check_distilled(out, recipe)
     # Every input is read before ``out`` is created or cleared, so bad input leaves nothing behind.
@@ -266,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         check_resume(out, fingerprint)
     barrier(ranks)  # every process has checked the folder before process 0 prepares it
     if ranks.is_main:
-        prepare_out(out, args.resume, args.overwrite)
+        prepare_out(out, args.resume, args.overwrite, inputs)
         write_fingerprint(out, fingerprint)
     barrier(ranks)
     started = {}  # what an interrupted run can still export (filled once training starts)

@@ -112,14 +112,15 @@ def run_draft_model(args: argparse.Namespace) -> int:
     from fsd_eagle.models import check_threads, load_target, resolve_device, set_threads
 
     from .data import read_conversations
-    from .finetune import check_out, note
+    from .finetune import check_out, note, start_out
 
     recipe = load_distill_recipe(args)
     check_threads(args.threads)
     if args.stop_after is not None and not args.stop_after >= 0:
         raise InputError(f"--stop-after must be seconds >= 0, got {args.stop_after}")
     out = Path(args.out)
-    check_out(out, args.resume, args.overwrite)
+    inputs = [*(recipe.data if recipe else []), args.target, getattr(args, "recipe", None)]
+    check_out(out, args.resume, args.overwrite, inputs)
     convs = [c for path in recipe.data for c in read_conversations(Path(path))] if recipe else []
     if recipe and not convs:
         raise InputError("the distillation data holds no conversation")
@@ -132,9 +133,7 @@ def run_draft_model(args: argparse.Namespace) -> int:
     draft = build_draft_model(target, args.layers)
     params = sum(p.numel() for p in draft.parameters())
     note(f"draft model: {args.layers} of {total} layers, {params / 1e6:.1f}M parameters")
-    if args.overwrite:
-        shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    start_out(out, args.overwrite, inputs, "draft model")
     log, what = [], {"target": args.target or "default", "layers": args.layers}
     if recipe:
         for p in target.parameters():

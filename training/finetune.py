@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from fsd_eagle.errors import InputError
+from fsd_eagle.outputs import check_replaceable, clear_folder, mark_ours
 
 from .lm_recipe import LMRecipe, find_field_problem
 from .lm_train import (add_run_options, check_resumable, export_model, find_eos_ids, read_train_seconds, run_command,
@@ -60,12 +61,26 @@ def load_recipe(args: argparse.Namespace) -> LMRecipe:
     return recipe
 
 
-def check_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """Fail before any work if ``out`` cannot take this run; with ``overwrite`` the folder is emptied."""
+LEGACY_FILES = ("training.json", "checkpoint/progress.json")  # only our runs write these (before MARK existed)
+
+
+def check_out(out: Path, resume: bool, overwrite: bool, inputs: Sequence = ()) -> None:
+    """Fail before any work if ``out`` cannot take this run; with ``overwrite`` it must be a run folder of
+    ours holding none of ``inputs`` (it is emptied later, by ``start_out``)."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not (resume or overwrite):
         raise InputError(f"{out} already holds a run: pass --resume to continue it or --overwrite")
+    if overwrite:
+        check_replaceable(out, inputs, "--overwrite", legacy=LEGACY_FILES)
+
+
+def start_out(out: Path, overwrite: bool, inputs: Sequence, kind: str) -> None:
+    """Make the run folder ``out`` (emptied first with ``overwrite``, see ``check_out``) and mark it ours."""
+    if overwrite:
+        clear_folder(out, inputs, "--overwrite", legacy=LEGACY_FILES)
+    out.mkdir(parents=True, exist_ok=True)
+    mark_ours(out, kind)
 
 
 def describe_model(recipe: LMRecipe, target: str, examples: int, tokens: int, log: list) -> str:
@@ -90,7 +105,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     recipe = load_recipe(args)
     check_threads(args.threads)
     out = Path(args.out)
-    check_out(out, args.resume, args.overwrite)
+    inputs = [*recipe.data, recipe.target, getattr(args, "recipe", None)]
+    check_out(out, args.resume, args.overwrite, inputs)
     if args.stop_after is not None and not args.stop_after >= 0:
         raise InputError(f"--stop-after must be seconds >= 0, got {args.stop_after}")
     convs = [c for path in recipe.data for c in read_conversations(Path(path))]
@@ -108,11 +124,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     val = [e for e in (tokenize_answers(tokenizer, c.messages, recipe.max_len, eos) for c in val_convs) if e]
     tokens = sum(int(e.mask.sum()) for e in examples)
     what = {"target": recipe.target or "default", "examples": len(examples), "answer_tokens": tokens}
-    if args.overwrite:
-        shutil.rmtree(out, ignore_errors=True)
-    elif args.resume:
+    if args.resume and not args.overwrite:
         check_resumable(out, recipe, what)
-    out.mkdir(parents=True, exist_ok=True)
+    start_out(out, args.overwrite, inputs, "fine-tune")
     print(json.dumps({"conversations": len(convs), "examples": len(examples), "val_examples": len(val),
                       "answer_tokens": tokens}), flush=True)
     log, finished = train_lm(model, examples, val, compute_answer_loss, recipe, out, args.resume, what, args.stop_after,
