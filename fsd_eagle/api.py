@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .attention import check_backend
-from .config import FuzzyConfig, SamplingConfig, TreeConfig
+from .config import FuzzyConfig, SamplingConfig, TreeConfig, check_seed
 from .decode import DecodeStats
 from .drafter import SlotDrafter
 from .engine import Engine
@@ -269,6 +269,13 @@ class SpeculativeGenerator:
                               f"model's context of {room} tokens")
         if self.drafter is not None:
             self.drafter.limits_vocab(tree.draft_vocab)  # refuses a draft vocabulary without a ranking
+            offered = self.drafter.proposal_vocab_size
+            if 0 < tree.draft_vocab < offered:
+                offered = tree.draft_vocab
+            for name, value in (("top_k", tree.top_k), ("pool", tree.pool)):
+                if value > offered:
+                    raise ConfigError(f"tree {name} {value} exceeds the {offered} tokens this drafter proposes from "
+                                      "(its draft vocabulary)")
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt text (chat template applied when the tokenizer has one, unless chat=False), a list of chat
@@ -341,8 +348,8 @@ class SpeculativeGenerator:
         max_new_tokens = min(max_new_tokens, room)
         if fuzzy is not None and not isinstance(fuzzy, FuzzyConfig):
             raise ConfigError(f"fuzzy must be a FuzzyConfig or None, got {type(fuzzy).__name__}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise InputError(f"seed must be an integer or None, got {seed!r}")
+        if seed is not None:
+            check_seed(seed)
         if isinstance(stop, str):
             stop = (stop,)
         if stop is not None and (not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop)):

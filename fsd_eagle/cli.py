@@ -19,11 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import CHILDREN
+from .config import CHILDREN, check_seed
 from .errors import FSDError, InputError, exit_out_of_memory
 from .jsonl import json_type, parse_object
 
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 BATCH_SIZE = 16  # --input: prompts decoded together by default
 CPU_CONTEXT = 2048  # serve on the CPU: tokens of context per request by default (caches of every row hold it)
 PROGRESS_EVERY_S = 30.0  # --input, stderr not a terminal: seconds between progress lines
@@ -217,13 +216,6 @@ def start_ranks(args: argparse.Namespace) -> None:
     if not tp.is_main:
         args.quiet = True
         sys.stdout = open(os.devnull, "w")
-
-
-def check_seed(seed, what: str) -> None:
-    """A seed torch takes: an integer from -2**63 to 2**64 - 1."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        got = seed if isinstance(seed, int) and not isinstance(seed, bool) else repr(seed)[:40]
-        raise InputError(f"{what} must be an integer from -2**63 to 2**64 - 1, got {got}")
 
 
 def load_generator(args: argparse.Namespace):
@@ -571,7 +563,10 @@ def _reports() -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = OneLineParser(prog="fsd-eagle", description="EAGLE-2 + Fuzzy Speculative Decoding")
+    parser.add_argument("--version", action="version", version=f"fsd-eagle {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)

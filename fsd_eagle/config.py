@@ -104,6 +104,7 @@ class TreeConfig:
 # distribution becomes NaN, so values beyond these bounds (far past any useful setting) are refused.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 MIN_TOP_P = 1e-6
+MAX_TOP_K = 2**31 - 1
 CHILDREN = ("auto", "top", "sampled")  # SamplingConfig.children
 
 
@@ -127,19 +128,19 @@ class SamplingConfig:
     children: str = "top"
 
     def __post_init__(self) -> None:
-        t, p = self.temperature, self.top_p
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {t!r}")
+        t, p = _finite_or_none(self.temperature), _finite_or_none(self.top_p)
+        if t is None or t < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {_shown(self.temperature)}")
         if 0 < t < MIN_TEMPERATURE or t > MAX_TEMPERATURE:
             raise ConfigError(f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, "
                               f"got {t!r}")
-        if not _is_number(p) or not 0.0 < p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {p!r}")
+        if p is None or not 0.0 < p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {_shown(self.top_p)}")
         if p < MIN_TOP_P:
             raise ConfigError(f"top_p must be at least {MIN_TOP_P:g} (smaller keeps only the top token, as "
                               f"top_k=1 does), got {p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ConfigError(f"top_k must be an integer from 0 to 2**31 - 1, got {_shown(self.top_k)}")
         if self.children not in CHILDREN:
             raise ConfigError(f"children must be 'auto', 'top' or 'sampled', got {self.children!r}")
 
@@ -170,14 +171,16 @@ class FuzzyConfig:
         from .divergence import DIVERGENCES
 
         t = self.threshold
-        if not _is_number(t) or math.isnan(t) or t < 0 or t == -math.inf:
-            raise ConfigError(f"fuzzy threshold must be a number >= 0 or inf, got {t!r}")
+        if not (_is_number(t) and t == math.inf) and (_finite_or_none(t) is None or t < 0):
+            raise ConfigError(f"fuzzy threshold must be a finite number >= 0 or inf, got {_shown(t)}")
         if self.divergence not in DIVERGENCES:
             raise ConfigError(f"unknown divergence {self.divergence!r}; choose one of {', '.join(DIVERGENCES)}")
         if self.mode not in FUZZY_MODES:
             raise ConfigError(f"unknown fuzzy mode {self.mode!r}; choose one of {', '.join(FUZZY_MODES)}")
         if not isinstance(self.support_top_k, int) or isinstance(self.support_top_k, bool) or self.support_top_k < 0:
-            raise ConfigError(f"support_top_k must be an integer >= 0, got {self.support_top_k!r}")
+            raise ConfigError(f"support_top_k must be an integer >= 0, got {_shown(self.support_top_k)}")
+        if not isinstance(self.processed, bool):
+            raise ConfigError(f"processed must be True or False, got {_shown(self.processed)}")
 
     @property
     def active(self) -> bool:
@@ -201,3 +204,31 @@ def parse_threshold(text: str) -> float:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _finite_or_none(x: object) -> float | None:
+    """``x`` as a finite float, or None where it is no number, not finite, or an integer beyond float range."""
+    if not _is_number(x):
+        return None
+    try:
+        value = float(x)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _shown(x: object) -> str:
+    """A value as an error message shows it: short (an integer of 400 digits is not printed whole)."""
+    text = repr(x)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def check_seed(seed, what: str = "seed") -> None:
+    """InputError unless ``seed`` is an integer torch takes: from -2**63 to 2**64 - 1."""
+    from .errors import InputError
+
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise InputError(f"{what} must be an integer from -2**63 to 2**64 - 1, got {_shown(seed)}")

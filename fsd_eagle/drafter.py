@@ -76,6 +76,11 @@ class SlotDrafter:
         """Whether a tree's ``draft_vocab`` can narrow this drafter's proposals (it has a token ranking)."""
         return self.ranking is not None
 
+    @property
+    def proposal_vocab_size(self) -> int:
+        """How many tokens this drafter can propose (before any tree's ``draft_vocab``)."""
+        return self.lm.vocab_size
+
     def limits_vocab(self, size: int) -> bool:
         """Whether drafting among ``size`` tokens restricts anything (0, or the whole vocabulary: no); a
         ConfigError if it would and this drafter has no token ranking."""
@@ -189,6 +194,11 @@ class EagleDrafter(SlotDrafter):
     def ranks_vocab(self) -> bool:
         """eagle3: no; the head drafts over its own vocabulary."""
         return not self.eagle3 and super().ranks_vocab
+
+    @property
+    def proposal_vocab_size(self) -> int:
+        """eagle3: the head's own draft vocabulary."""
+        return (self.eagle3 and self.head.config.draft_vocab_size) or super().proposal_vocab_size
 
     def limits_vocab(self, size: int) -> bool:
         if self.eagle3 and 0 < size < self.lm.vocab_size:

@@ -91,6 +91,8 @@ def load_presets(path: "str | Path | Traversable | None" = None) -> dict:
         raise ConfigError(f"cannot read the tree presets {path}: {e}") from None
     if not isinstance(table, dict):
         raise ConfigError(f"the tree presets {path} must hold a JSON object")
+    if not isinstance(table.get("_shapes", {}), dict):
+        raise ConfigError(f"the tree presets {path}: \"_shapes\" must be an object of named trees")
     return table
 
 
@@ -98,6 +100,8 @@ def tree_from_spec(spec, table: dict) -> TreeConfig:
     """A TreeConfig from a preset's "tree": a {total_tokens, depth, top_k} object or a shape name."""
     if isinstance(spec, str):
         shapes = table.get("_shapes", {})
+        if not isinstance(shapes, dict):
+            raise ConfigError("the tree presets' \"_shapes\" must be an object of named trees")
         if spec not in shapes or isinstance(shapes[spec], str):
             raise ConfigError(f"unknown tree shape {spec!r} in the tree presets")
         spec = shapes[spec]

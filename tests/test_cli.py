@@ -265,3 +265,11 @@ def test_argparse_errors_have_no_traceback(capfd):
     assert info.value.code == 2
     _, err = capfd.readouterr()
     assert "Traceback" not in err and "error:" in err.splitlines()[-1]
+
+
+def test_version(capsys):
+    import fsd_eagle
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"fsd-eagle {fsd_eagle.__version__}\n"

@@ -352,3 +352,19 @@ def test_fuzzy_rules_run_on_an_eagle3_head(divergence):
             assert stats.divergence_mean is not None and torch.isfinite(torch.tensor(stats.divergence_mean))
         taus.append(stats.tau)
     assert taus[1] > taus[0]
+
+
+def test_a_tree_wider_than_the_heads_draft_vocabulary_is_refused_where_it_is_set():
+    """top_k (children per node) or a pool larger than the eagle3 head's own vocabulary: a ConfigError of
+    one line from set_tree, not an error inside a round; the generator keeps its tree and still decodes."""
+    from fsd_eagle.api import SpeculativeGenerator
+    from test_api import make_tokenizer
+
+    model = tiny_model("llama")
+    gen = SpeculativeGenerator(model, make_tokenizer(), head=eagle3_head(model.config, 16), tree=TreeConfig(8, 3, 2))
+    for kwargs, words in ((dict(top_k=17), "top_k 17 exceeds the 16 tokens"), (dict(pool=20), "pool 20 exceeds")):
+        with pytest.raises(ConfigError, match=words):
+            gen.set_tree(8, 3, **kwargs)
+    assert gen.tree == TreeConfig(8, 3, 2)
+    gen.set_tree(8, 3, 16)
+    assert len(gen.generate([5, 6, 7], 6).token_ids) == 6

@@ -135,7 +135,8 @@ GENERATE_CASES = {
     "top-p nan": (["--top-p", "nan"], "top_p must be in (0, 1]"),
     "top-p 1e-300": (["--top-p", "1e-300", "--temperature", "1"], "top_p must be at least"),
     "top-p 2": (["--top-p", "2"], "top_p must be in (0, 1]"),
-    "top-k -1": (["--top-k", "-1"], "top_k must be an integer >= 0"),
+    "top-k -1": (["--top-k", "-1"], "top_k must be an integer from 0 to 2**31 - 1"),
+    "top-k 10**30 sampling": (["--temperature", "0.8", "--top-k", str(10 ** 30)], "top_k must be an integer from 0"),
     "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     "seed 10**30": (["--seed", str(10 ** 30)], "--seed must be an integer from"),
     "seed -2**70": (["--seed", str(-2 ** 70)], "--seed must be an integer from"),
@@ -331,6 +332,13 @@ API_CASES = {
     "tree beyond the context": lambda g: g.set_tree(10 ** 6, 3, 2),
     "tree of strings": lambda g: g.set_tree("6", 3, 2),
     "fuzzy threshold nan": lambda g: g.generate(PROMPT, 4, fuzzy=FuzzyConfig(threshold=math.nan)),
+    "fuzzy threshold 10**400": lambda g: g.generate(PROMPT, 4, fuzzy=FuzzyConfig(threshold=10 ** 400)),
+    "fuzzy processed 'no'": lambda g: g.generate(PROMPT, 4, fuzzy=FuzzyConfig(processed="no")),
+    "temperature 10**400": lambda g: g.generate(PROMPT, 4, temperature=10 ** 400),
+    "top_p 10**400": lambda g: g.generate(PROMPT, 4, temperature=1.0, top_p=10 ** 400),
+    "top_k 2**70": lambda g: g.generate(PROMPT, 4, temperature=0.8, top_k=2 ** 70),
+    "seed 2**70": lambda g: g.generate(PROMPT, 4, temperature=0.8, seed=2 ** 70),
+    "seed -2**70 in a list": lambda g: g.generate([PROMPT, PROMPT], 4, temperature=0.8, seed=[0, -2 ** 70]),
 }
 
 

@@ -355,6 +355,7 @@ def test_cli_prepare(tmp_path, capsys):
         ("sharegpt", 0), ("sharegpt", 1), ("gsm8k", 0), ("gsm8k", 1), ("jsonl:mine.jsonl", 0)]
     printed = capsys.readouterr().out
     assert "[sharegpt]" in printed and "wrote 5 conversations" in printed
+    assert "[gsm8k] read 2," in printed  # --limit 2 reads two records, not a third it would drop
 
 
 @pytest.mark.parametrize("args, match", [

@@ -84,7 +84,8 @@ def test_unknown_model_device_or_missing_file_gives_defaults(tmp_path, tiny_llam
 def test_bad_preset_files_fail_with_one_line(tmp_path, tiny_llama):
     target = Target(named_model(tiny_llama, "tiny-x"))
     bad = tmp_path / "bad.json"
-    for table_or_text in ("{not json", "[1, 2]"):
+    for table_or_text in ("{not json", "[1, 2]", '{"_shapes": [1]}', '{"_shapes": "chain-3", "tiny-x": {"cpu": '
+                                                                       '{"tree": "chain-3"}}}'):
         bad.write_text(table_or_text)
         with pytest.raises(ConfigError):
             trees_presets.preset_tree(target, bad)

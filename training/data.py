@@ -569,10 +569,10 @@ def _limited(it: Iterator[Conversation], limit: int | None) -> Iterator[Conversa
     if limit is None:
         yield from it
         return
-    for k, conv in enumerate(it):
+    for k, conv in enumerate(it, 1):  # stops after the limit-th, without reading (and counting) one more
+        yield conv
         if k >= limit:
             return
-        yield conv
 
 
 def main(argv: list[str] | None = None) -> int:

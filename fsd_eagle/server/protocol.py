@@ -15,9 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..config import MAX_TOP_K, SEED_RANGE
+
 MAX_N = 16  # choices per request
 MAX_STOP = 16  # stop strings per request
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+SEED_MIN, SEED_MAX = SEED_RANGE
 
 
 class Strict(BaseModel):
@@ -54,7 +56,7 @@ class SamplingFields(Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0, le=2**31 - 1)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
