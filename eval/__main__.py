@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     except FSDError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         return _out_of_memory(e)
     if getattr(args, "workers", 1) < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: rerun the same command to continue", file=sys.stderr)
         return 130
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         return _out_of_memory(e)
     finally:
         if previous is not None:

@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         return exit_out_of_memory(e, "decode fewer prompts at a time (--batch-size), fewer --max-new-tokens, or "
                                      "a smaller tree (--total-tokens)", _reports())
     except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly

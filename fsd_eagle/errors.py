@@ -1,5 +1,6 @@
 """Exception types. Every user-facing failure raises a subclass of FSDError with one readable line."""
 
+import re
 import sys
 
 
@@ -31,23 +32,34 @@ class BusyError(FSDError, RuntimeError):
 OUT_OF_MEMORY_STATUS = 3
 
 
+#: torch's CPU allocator failing (a RuntimeError, not torch.OutOfMemoryError): the part of its message that says so
+CPU_ALLOCATOR_FAILURE = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)[^.]*\.?"
+                                   r"(?: you tried to allocate \d+ bytes)?")
+
+
 def out_of_memory_line(error: BaseException, advice: str) -> str | None:
-    """One line for ``error`` if it is torch's out-of-memory error (None otherwise): what ran out, from the
-    first sentences of torch's message (without its list of every process on the device), then ``advice``.
-    torch is not imported here: an error raised before torch was loaded is not torch's."""
+    """One line for ``error`` if it is an out-of-memory error (None otherwise): torch's OutOfMemoryError
+    (what ran out, from the first sentences of its message, without its list of every process on the
+    device), torch's CPU allocator failing, or Python's MemoryError; then ``advice``. torch is not
+    imported here: an error raised before torch was loaded is not torch's."""
     import sys
 
+    if isinstance(error, MemoryError):
+        return f"out of memory (the process could not allocate {str(error) or 'more'}): {advice}"
+    text = " ".join(str(error).split())
+    cpu = CPU_ALLOCATOR_FAILURE.search(text) if isinstance(error, RuntimeError) else None
+    if cpu is not None:
+        return f"out of memory ({cpu.group(0).rstrip('.')}): {advice}"
     torch = sys.modules.get("torch")
     kind = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
     if kind is None or not isinstance(error, kind):
         return None
-    text = " ".join(str(error).split())
     end = text.find(" is free.")
     what = text[:end + len(" is free")] if end >= 0 else text.split(". ")[0].rstrip(".")
     return f"out of device memory ({what}): {advice}"
 
 
-def exit_out_of_memory(error: RuntimeError, advice: str, report: bool = True) -> int:
+def exit_out_of_memory(error: RuntimeError | MemoryError, advice: str, report: bool = True) -> int:
     """For a command line's handler: print ``error: <out_of_memory_line>`` (where this process ``report``s)
     and return OUT_OF_MEMORY_STATUS if ``error`` is torch's out-of-memory error; raise it again otherwise."""
     line = out_of_memory_line(error, advice)

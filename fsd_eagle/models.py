@@ -182,7 +182,18 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise ModelLoadError(f"cannot load the model at {folder}: {_first_line(e)}") from None
     _check_loading_info(folder, info)
+    check_finite(model.named_parameters(), f"the model at {folder}")
     return (model if tp_size > 1 else model.to(device)).eval(), tokenizer
+
+
+def check_finite(tensors, source: str) -> None:
+    """ModelLoadError naming the first floating-point tensor of ``tensors`` ((name, tensor) pairs) that holds
+    a NaN or an infinity: weights like that decode garbage (a NaN draft distribution samples token 0)."""
+    for name, tensor in tensors:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a tensor-parallel shard: its own part
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ModelLoadError(f"{source}: tensor {name} holds {bad} NaN or infinite values")
 
 
 def read_target_config(path: str | Path | None):
@@ -352,6 +363,7 @@ def load_head(path: str | Path, target_config, device: torch.device, dtype: torc
         state.setdefault("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long))
         state.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
     state = _matching_state(cfg, state, folder)
+    check_finite(state.items(), f"the head at {head_weights_file(folder) or folder}")
     if eagle3:
         _check_vocab_map(state["d2t"], state["t2d"], cfg, folder)
     head = EagleHead(cfg)

@@ -242,3 +242,20 @@ def test_a_tokenizer_saved_with_clean_up_is_converted_to_plain_decoding(tmp_path
     models.keep_plain_decoding(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer.clean_up_tokenization_spaces is False
+
+
+@pytest.mark.parametrize("where,value", [("head", float("nan")), ("head", float("inf")), ("target", float("nan")),
+                                         ("target", float("-inf"))])
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(saved, tmp_path, where, value):
+    """One NaN or infinity in any weight of the head or the target: refused at load with one line naming
+    the file and tensor (before: greedy stayed exact, but sampled children decoded token 0 from a NaN head)."""
+    folder = tmp_path / where
+    shutil.copytree(saved / where, folder)
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    name = sorted(k for k, v in state.items() if v.is_floating_point() and v.dim() == 2)[0]
+    state[name][0, 0] = value
+    save_file(state, weights, metadata={"format": "pt"})
+    msg = refused(target=folder if where == "target" else saved / "target", head=folder if where == "head" else
+                  saved / "head")
+    assert name in msg and "NaN or infinite" in msg and str(folder) in msg

@@ -79,3 +79,32 @@ def test_training_commands(monkeypatch, capsys):
     monkeypatch.setattr(training_cli, "main", raise_oom)
     assert training_main.main(["run", "recipe.json", "--out", "x"]) == OUT_OF_MEMORY_STATUS
     check_one_line(capsys.readouterr().err, "--resume")
+
+
+CPU_MESSAGE = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+               "allocate 17179869184 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("error", [RuntimeError(CPU_MESSAGE), MemoryError()], ids=["cpu-allocator", "MemoryError"])
+def test_the_cpu_running_out_of_memory_is_one_line_and_exit_3(monkeypatch, capsys, error):
+    def raise_it(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cli, "run_generate", raise_it)
+    assert cli.main(["generate", "hi"]) == OUT_OF_MEMORY_STATUS
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of memory (") and "--batch-size" in err, err
+
+
+def test_a_real_cpu_allocation_failure_is_recognised():
+    """torch's own message when the CPU allocator fails, under an address-space limit in a child process."""
+    import subprocess
+    import sys
+
+    code = ("import resource, torch\nfrom fsd_eagle.errors import out_of_memory_line\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))\n"
+            "try:\n    torch.empty(2**32)\nexcept RuntimeError as e:\n    print(out_of_memory_line(e, 'advice'))\n")
+    pytest.importorskip("resource")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stdout.startswith("out of memory (DefaultCPUAllocator: can't allocate memory") and "advice" in done.stdout

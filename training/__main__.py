@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         from fsd_eagle.errors import exit_out_of_memory
 
         return exit_out_of_memory(e, "train with fewer tokens per batch (the recipe's tokens_per_batch) or fewer "

@@ -227,8 +227,7 @@ class EngineLoop:
 
 
 def _one_line(error: BaseException) -> str:
-    oom = out_of_memory_line(error, "lower --max-batch or the requests' max_tokens") if isinstance(
-        error, RuntimeError) else None
+    oom = out_of_memory_line(error, "lower --max-batch or the requests' max_tokens")
     return oom or " ".join(f"{type(error).__name__}: {error}".split())[:500]
 
 
