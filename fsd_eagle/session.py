@@ -172,10 +172,16 @@ def prefill_rows_for(prompts: int, sizes: tuple[int, ...]) -> int:
 def prefill_groups(lengths: list[int], most: int) -> list[list[int]]:
     """The prompts of ``lengths`` (their indices) in the groups that are prefilled together, at most
     ``most`` a group: longest first (ties in their order), so that each group's prompts have similar
-    lengths (a group pads every row to its longest prompt) and only the last, shortest group is short of
-    prompts."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[at:at + most] for at in range(0, len(order), most)]
+    lengths (a group pads every row to its longest prompt), and a prompt less than half as long as its
+    group's longest starts a group of its own: no prompt is padded to more than twice its length (a
+    10,000-token prompt prefills alone, not with three short ones padded to it)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and len(groups[-1]) < most and 2 * lengths[i] >= lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 @dataclass

@@ -223,6 +223,9 @@ def test_prompts_prefilled_together_are_grouped_by_length():
     assert prefill_groups([40, 1400, 60, 1500], 2) == [[3, 1], [2, 0]]
     assert prefill_groups([5, 9, 5, 7, 9], 8) == [[1, 4, 3, 0, 2]]
     assert prefill_groups([3, 1, 2], 1) == [[0], [2], [1]]
+    # never padded to more than twice a prompt's length: the long prompt prefills alone
+    assert prefill_groups([10_000, 20, 30, 25], 4) == [[0], [2, 3, 1]]
+    assert prefill_groups([100, 50, 49, 25], 8) == [[0, 1], [2, 3]]
 
 
 def test_waiting_prompts_start_shortest_first():
@@ -259,8 +262,9 @@ def test_a_refill_group_pads_the_fewest_prefill_rows_to_its_longest_prompt(monke
         return original(self, pre, prompts)
 
     monkeypatch.setattr(Session, "_prefill", spy)
-    ps = prompts(11, eng.target.vocab_size, seed=8)
-    lengths = [p.shape[0] for p in ps]
+    gen = torch.Generator().manual_seed(8)
+    lengths = [20 + (7 * i) % 21 for i in range(11)]  # 20 to 40 tokens: no prompt is half its group's longest
+    ps = [torch.randint(0, eng.target.vocab_size, (n,), generator=gen) for n in lengths]
     session.allocate(256)
     firsts = session.start_rows([5, 9, 2], ps[:3], [GREEDY] * 3, [0] * 3)
     assert seen == [(4, sorted(lengths[:3], reverse=True))]
