@@ -971,6 +971,36 @@ def test_ctrl_c_saves_a_checkpoint_and_the_head_so_far(llama, tmp_path, monkeypa
     assert not (out / "head-partial").exists()
 
 
+def test_a_real_ctrl_c_mid_step_resumes_to_the_uninterrupted_head_and_log(llama, tmp_path, monkeypatch, capsys):
+    """SIGINT delivered in the middle of a step (after its input noise was drawn): the step finishes, the
+    interrupt lands at the step boundary, and --resume ends with exactly an uninterrupted run's head; the
+    epoch's logged loss covers all its steps, not only the resumed ones."""
+    import signal
+
+    recipe = llama.write_recipe("recipe_sigint.json", epochs=1)
+    ref_out, out = tmp_path / "reference", tmp_path / "interrupted"
+    assert main(llama.argv(ref_out, recipe=recipe)) == 0
+    capsys.readouterr()
+    real_loss, calls = training.train.head_loss, []
+
+    def signal_in_second_step(*args, **kwargs):
+        calls.append(1)
+        result = real_loss(*args, **kwargs)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(training.train, "head_loss", signal_in_second_step)
+    assert main(llama.argv(out, recipe=recipe)) == 130
+    assert _progress(out)["step"] == 2 < _log(ref_out)[0]["step"]  # mid-epoch
+    monkeypatch.setattr(training.train, "head_loss", real_loss)
+    assert main(llama.argv(out, "--resume", recipe=recipe)) == 0
+    ref_head, head = load_file(ref_out / "head" / "model.safetensors"), load_file(out / "head" / "model.safetensors")
+    assert all(torch.equal(ref_head[k], head[k]) for k in ref_head)
+    (ref_entry,), (entry,) = _log(ref_out), _log(out)
+    assert {k: v for k, v in entry.items() if k != "seconds"} == {k: v for k, v in ref_entry.items() if k != "seconds"}
+
+
 def test_ctrl_c_in_validation_keeps_the_epoch(llama, tmp_path, monkeypatch, capsys):
     """Ctrl-C while an epoch's validation decodes: the epoch's steps are in the checkpoint (a resumed run
     starts the next epoch), exit 130."""
@@ -1179,3 +1209,10 @@ def test_gradients_are_averaged_over_processes_and_drift_is_caught():
     for rank in (0, 1):
         a, b, b_bf16, caught = got[rank]
         assert a == [1.5, 3.0, 4.5] and b == [2.0, 2.0] and b_bf16 and caught
+
+
+def test_the_progress_bar_ends_full_when_max_steps_ends_the_epoch_early(llama, tmp_path, capsys):
+    recipe = llama.write_recipe("recipe_bar.json", epochs=1, max_steps=2)
+    assert main(llama.argv(tmp_path / "run", recipe=recipe)) == 0
+    err = capsys.readouterr().err
+    assert "2/2" in err and "2/3" not in err, err[-500:]

@@ -8,8 +8,11 @@ import json
 import math
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -211,6 +214,25 @@ def save_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer, step
         shutil.rmtree(old)
 
 
+@contextmanager
+def interrupts_deferred():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it ends, then raise KeyboardInterrupt:
+    a training step is done whole or not at all, so the checkpoint saved on the interrupt is a step boundary
+    (its random streams too) and resuming gives what an uninterrupted run gives. Off the main thread (no
+    signals there) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def checkpoint_dir(out: Path) -> Path | None:
     """The newest complete checkpoint (a kill between save_checkpoint's two renames leaves only .old)."""
     for name in ("checkpoint", "checkpoint.old"):
@@ -238,7 +260,8 @@ def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer,
         if device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], device)
     prog = json.loads((ck / "progress.json").read_text())
-    schedule = {k: prog[k] for k in ("total", "train_s", "fitted", "processes") if k in prog}
+    schedule = {k: prog[k] for k in ("total", "train_s", "fitted", "processes", "epoch_sums", "epoch_count",
+                                      "epoch_tokens") if k in prog}
     return prog["step"], prog["epoch"], prog["log"], schedule
 
 
@@ -297,74 +320,87 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     val_s = last_val_s = val_s_at_tick = 0.0  # seconds of validation in this call, of the last one, before tick
 
     def save(epoch_done: int, together: bool = True) -> None:
-        """A checkpoint by process 0; ``together``: every process calls this (their random streams go in)."""
+        """A checkpoint by process 0; ``together``: every process calls this (their random streams go in).
+        Mid-epoch, the epoch's running sums go in too, so a resumed epoch logs all of its steps."""
         rngs = gather_objects(rng_state(device), ranks) if together else None
         if ranks.is_main:
+            partial = {} if epoch_done != epoch or not count else {
+                "epoch_sums": sums.tolist(), "epoch_count": count, "epoch_tokens": tokens}
             save_checkpoint(out, head, opt, step, epoch_done, log,
                             {"total": total, "train_s": round(before_s + time.perf_counter() - started, 1),
-                             "fitted": fitted, "processes": ranks.world}, rngs)
+                             "fitted": fitted, "processes": ranks.world, **partial}, rngs)
 
     def validations_until(end: int) -> int:
         """Validations still to come if training ends at step ``end``: at each epoch end before it, and at it."""
         return 1 + sum(1 for e in range(1, recipe.epochs + 1) if step < e * batches_per_epoch < end)
 
-    resume_epoch = first_epoch  # the epoch a checkpoint saved on Ctrl-C resumes in
+    resume_epoch = epoch = first_epoch  # the epoch a checkpoint saved on Ctrl-C resumes in
+    sums, count, tokens = None, 0, 0
     try:
         for epoch in range(first_epoch, recipe.epochs):
             resume_epoch = epoch
-            if step >= total:
+            resumed_sums = epoch == first_epoch and bool(schedule.get("epoch_count"))
+            if step >= total and not resumed_sums:  # (an epoch interrupted after its last step still logs)
                 break
             batches = make_batches(train_set, recipe.tokens_per_batch, recipe.seed + epoch)
             mine = batches[ranks.rank::ranks.world][:batches_per_epoch]  # this process's share, equal for all
             skip = step - epoch * batches_per_epoch
-            bar = tqdm(mine[max(0, skip):], desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch",
-                       disable=not ranks.is_main)
-            # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch.
+            todo = mine[max(0, skip):]
+            bar = tqdm(todo, total=max(0, min(len(todo), total - step)), desc=f"epoch {epoch + 1}/{recipe.epochs}",
+                       unit="batch", disable=not ranks.is_main)
+            bar_from = step
+            # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch; a
+            # resumed epoch starts from the sums its checkpoint holds.
             sums, count, tokens, t0 = torch.zeros(1 + 3 * recipe.unroll, device=device), 0, 0, time.perf_counter()
+            if resumed_sums:
+                sums = torch.tensor(schedule["epoch_sums"], device=device)
+                count, tokens = schedule["epoch_count"], schedule.get("epoch_tokens", 0)
             for idx in bar:
-                ids, attn, mask = collate(train_set, idx, device)
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, total, recipe)
-                with autocast:
-                    loss, metrics = head_loss(head, target, ids, attn, mask, recipe)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                average_gradients(head.parameters(), ranks)
-                torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
-                opt.step()
-                step += 1
-                tokens += sum(len(train_set[i].ids) for i in idx)
-                sums += torch.cat([loss.detach().float()[None], metrics["feat"].float(), metrics["ce"].float(),
-                                   metrics["acc"].float()])
-                count += 1
-                if step - first_step == 10:
-                    tick, val_s_at_tick = time.perf_counter(), val_s  # the first steps include start-up costs
-                if time_budget_s and step - first_step >= 60 and (step - first_step) % 100 == 60:
-                    # Refitted every 100 steps: early steps are slower (allocator growth, kernel autotuning for
-                    # new shapes), so one early measurement would end the run well before its budget.
-                    per_step = (time.perf_counter() - tick - (val_s - val_s_at_tick)) / (step - first_step - 10)
-                    left = time_budget_s - before_s - (time.perf_counter() - started)
-                    end = step + max(0, int(left / per_step))
-                    if validate is not None and last_val_s:  # keep time for the validations still to come
-                        for _ in range(2):
-                            end = step + max(0, int((left - validations_until(end) * last_val_s) / per_step))
-                    total, fitted = min(cap, from_main(end, ranks, device)), True
-                if (deadline is not None and step - first_step < 60 and step < total
-                        and from_main(int(time.perf_counter() >= deadline), ranks, device)):
-                    total, fitted = step, True  # steps so slow that the budget is spent before the first fit
-                if step >= total:
-                    break
-                if stop_after_s is not None and from_main(int(time.perf_counter() - started >= stop_after_s),
-                                                          ranks, device):
-                    save(epoch)
-                    head.eval()
-                    return log, False
-                if step % 20 == 0:
-                    mean = (sums / count).tolist()
-                    bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[1 + 2 * recipe.unroll]:.3f}",
-                                    tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-                if step % recipe.checkpoint_every == 0:
-                    save(epoch)
+                with interrupts_deferred():  # a Ctrl-C lands between steps: the checkpoint is a step boundary
+                    ids, attn, mask = collate(train_set, idx, device)
+                    for group in opt.param_groups:
+                        group["lr"] = lr_at(step, total, recipe)
+                    with autocast:
+                        loss, metrics = head_loss(head, target, ids, attn, mask, recipe)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    average_gradients(head.parameters(), ranks)
+                    torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
+                    opt.step()
+                    step += 1
+                    tokens += sum(len(train_set[i].ids) for i in idx)
+                    sums += torch.cat([loss.detach().float()[None], metrics["feat"].float(), metrics["ce"].float(),
+                                       metrics["acc"].float()])
+                    count += 1
+                    if step - first_step == 10:
+                        tick, val_s_at_tick = time.perf_counter(), val_s  # the first steps include start-up costs
+                    if time_budget_s and step - first_step >= 60 and (step - first_step) % 100 == 60:
+                        # Refitted every 100 steps: early steps are slower (allocator growth, kernel autotuning for
+                        # new shapes), so one early measurement would end the run well before its budget.
+                        per_step = (time.perf_counter() - tick - (val_s - val_s_at_tick)) / (step - first_step - 10)
+                        left = time_budget_s - before_s - (time.perf_counter() - started)
+                        end = step + max(0, int(left / per_step))
+                        if validate is not None and last_val_s:  # keep time for the validations still to come
+                            for _ in range(2):
+                                end = step + max(0, int((left - validations_until(end) * last_val_s) / per_step))
+                        total, fitted = min(cap, from_main(end, ranks, device)), True
+                        bar.total = max(0, min(len(todo), total - bar_from))
+                    if (deadline is not None and step - first_step < 60 and step < total
+                            and from_main(int(time.perf_counter() >= deadline), ranks, device)):
+                        total, fitted = step, True  # steps so slow that the budget is spent before the first fit
+                    if step >= total:
+                        break
+                    if stop_after_s is not None and from_main(int(time.perf_counter() - started >= stop_after_s),
+                                                              ranks, device):
+                        save(epoch)
+                        head.eval()
+                        return log, False
+                    if step % 20 == 0:
+                        mean = (sums / count).tolist()
+                        bar.set_postfix(loss=f"{mean[0]:.3f}", acc=f"{mean[1 + 2 * recipe.unroll]:.3f}",
+                                        tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+                    if step % recipe.checkpoint_every == 0:
+                        save(epoch)
             bar.close()
             count = int(sum_over(torch.tensor([count], device=device), ranks).item())
             means = (sum_over(sums, ranks) / max(1, count)).tolist()
