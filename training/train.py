@@ -346,7 +346,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             mine = batches[ranks.rank::ranks.world][:batches_per_epoch]  # this process's share, equal for all
             skip = step - epoch * batches_per_epoch
             todo = mine[max(0, skip):]
-            bar = tqdm(todo, total=max(0, min(len(todo), total - step)), desc=f"epoch {epoch + 1}/{recipe.epochs}",
+            bar = tqdm(total=max(0, min(len(todo), total - step)), desc=f"epoch {epoch + 1}/{recipe.epochs}",
                        unit="batch", disable=not ranks.is_main)
             bar_from = step
             # Metrics are summed on the device every step (no per-step host sync) and averaged per epoch; a
@@ -355,7 +355,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
             if resumed_sums:
                 sums = torch.tensor(schedule["epoch_sums"], device=device)
                 count, tokens = schedule["epoch_count"], schedule.get("epoch_tokens", 0)
-            for idx in bar:
+            for idx in todo:
                 with interrupts_deferred():  # a Ctrl-C lands between steps: the checkpoint is a step boundary
                     ids, attn, mask = collate(train_set, idx, device)
                     for group in opt.param_groups:
@@ -372,6 +372,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                     sums += torch.cat([loss.detach().float()[None], metrics["feat"].float(), metrics["ce"].float(),
                                        metrics["acc"].float()])
                     count += 1
+                    bar.update(1)
                     if step - first_step == 10:
                         tick, val_s_at_tick = time.perf_counter(), val_s  # the first steps include start-up costs
                     if time_budget_s and step - first_step >= 60 and (step - first_step) % 100 == 60:
