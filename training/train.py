@@ -335,7 +335,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
         return 1 + sum(1 for e in range(1, recipe.epochs + 1) if step < e * batches_per_epoch < end)
 
     resume_epoch = epoch = first_epoch  # the epoch a checkpoint saved on Ctrl-C resumes in
-    sums, count, tokens = None, 0, 0
+    sums, count, tokens, bar = None, 0, 0, None
     try:
         for epoch in range(first_epoch, recipe.epochs):
             resume_epoch = epoch
@@ -394,6 +394,7 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                     if stop_after_s is not None and from_main(int(time.perf_counter() - started >= stop_after_s),
                                                               ranks, device):
                         save(epoch)
+                        bar.close()
                         head.eval()
                         return log, False
                     if step % 20 == 0:
@@ -420,6 +421,8 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
                 print(json.dumps(entry), flush=True)
             save(epoch + 1)
     except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
         save(resume_epoch, together=False)
         head.eval()
         raise
