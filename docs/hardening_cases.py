@@ -314,6 +314,101 @@ HE_BODIES = {
     "correct program": "    s = sorted(numbers)\n    return any(b - a < threshold for a, b in zip(s, s[1:]))\n",
 }
 
+SECOND = """
+import contextlib, io, json, os, pathlib, shutil, sys
+from fsd_eagle.cli import main as cli_main
+try:
+    from training.cli import main as train_main
+except ImportError:
+    from training.__main__ import main as train_main
+root = pathlib.Path(F['root']) / ('second_' + CASE)
+root.mkdir()
+GEN = GEN_ARGS
+def run(main, *argv):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code
+    lines = [x for x in err.getvalue().splitlines() if x.strip()]
+    return code, (lines[-1][:110] if lines else '')
+def kept(path, before):
+    return 'kept' if path.exists() and path.read_bytes() == before else 'CHANGED OR DELETED'
+src = root / 'in.jsonl'
+src.write_text(''.join(json.dumps({'prompt': p}) + '\\n' for p in ['w5 w6', 'w7 w8 w9', 'w10']))
+model = ['--target', F['target'], '--head', F['head'], *GEN]
+BODY
+"""
+SECOND_BODIES = {
+    "--output FILE whose last line has no newline, then the model fails to load":
+        "notes = root / 'notes.json'; original = bytes([123, 34, 97, 34, 58, 32, 49, 125])  # {\"a\": 1}\n"
+        "notes.write_bytes(original)\n"
+        "code, err = run(cli_main, 'generate', '--input', src, '--output', notes, '--target', root / 'nothing', *GEN)\n"
+        "print(f'RESULT: exit {code}; notes.json {kept(notes, original)}')",
+    "--output of a run rerun with another --max-new-tokens":
+        "out = root / 'out.jsonl'\nrun(cli_main, 'generate', '--input', src, '--output', out, *model)\n"
+        "before = out.read_bytes()\ncode, err = run(cli_main, 'generate', '--input', src, '--output', out, *model, "
+        "'--max-new-tokens', '5')\nprint(f'RESULT: exit {code}: {err}; output {kept(out, before)}')",
+    "--output of a run rerun after a line was inserted at the top of the input":
+        "out = root / 'out.jsonl'\nrun(cli_main, 'generate', '--input', src, '--output', out, *model)\n"
+        "src.write_text(json.dumps({'prompt': 'w99'}) + '\\n' + src.read_text())\nbefore = out.read_bytes()\n"
+        "code, err = run(cli_main, 'generate', '--input', src, '--output', out, *model)\n"
+        "print(f'RESULT: exit {code}: {err}; output {kept(out, before)}')",
+    "training run --overwrite --out DIR where DIR holds --data":
+        "d = root / 'dir'; d.mkdir(); data = d / 'data.jsonl'; shutil.copy(F['data'], data)\n"
+        "code, err = run(train_main, 'run', F['recipe'], '--out', d, '--target', F['target'], '--data', data, "
+        "'--device', 'cpu', '--workers', '1', '--overwrite')\n"
+        "print(f'RESULT: exit {code}: {err}; --data ' + ('kept' if data.exists() else 'DELETED'))",
+    "export RUN/head --out RUN --force (the head's parent)":
+        "r = root / 'run'; shutil.copytree(F['head'], r / 'head'); (r / 'checkpoint').mkdir(); "
+        "(r / 'checkpoint' / 'progress.json').write_text('{}')\n"
+        "code, err = run(train_main, 'export', r / 'head', '--format', 'ours', '--out', r, '--force')\n"
+        "print(f'RESULT: exit {code}: {err}; checkpoint ' + ('kept' if (r / 'checkpoint').exists() else 'DELETED'))",
+    "head with a NaN weight, sampling with sampled children":
+        "from safetensors.torch import load_file, save_file\nh = root / 'nan_head'; shutil.copytree(F['head'], h)\n"
+        "st = load_file(h / 'model.safetensors'); k = next(k for k in sorted(st) if st[k].dim() == 2)\n"
+        "st[k][0, 0] = float('nan')\n"
+        "save_file(st, h / 'model.safetensors', metadata={'format': 'pt'})\n"
+        "out = io.StringIO()\nwith contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "    code = cli_main(['generate', 'w5 w6 w7', '--target', F['target'], '--head', str(h), *GEN, "
+        "'--temperature', '0.8', '--children', 'sampled', '--json'])\n"
+        "text = json.loads(out.getvalue())['text'] if code == 0 else ''\n"
+        "print(f'RESULT: exit {code}; ' + (f'text {text[:40]!r}' if code == 0 else err.getvalue().strip()[:110]))",
+    "FuzzyConfig(threshold=10**400), SamplingConfig(temperature=10**400), FuzzyConfig(processed='no')":
+        "from fsd_eagle.config import FuzzyConfig, SamplingConfig\n"
+        "for make in (lambda: FuzzyConfig(threshold=10**400), lambda: SamplingConfig(temperature=10**400), "
+        "lambda: FuzzyConfig(processed='no')):\n"
+        "    try:\n        made = make(); print(f'RESULT: accepted {made!r:.60}')\n"
+        "    except Exception as e:\n        print(f'RESULT: {type(e).__name__}: {str(e)[:70]}')",
+    "a presets file whose _shapes is a string":
+        "from fsd_eagle import trees_presets\np = root / 'presets.json'; p.write_text(json.dumps({'_shapes': 'chain-3'}))\n"
+        "try:\n    trees_presets.named_shape('chain-3', p); print('RESULT: accepted')\n"
+        "except Exception as e:\n    print(f'RESULT: {type(e).__name__}: {str(e)[:90]}')",
+    "--input from a FIFO":
+        "import threading\nfifo = root / 'in.fifo'; os.mkfifo(fifo)\n"
+        "t = threading.Thread(target=lambda: fifo.write_text(src.read_text())); t.start()\n"
+        "code, err = run(cli_main, 'generate', '--input', fifo, *model, '--quiet'); t.join(10)\n"
+        "print(f'RESULT: exit {code} {err}')",
+    "a float64 eagle3 head exported as stored (--format eagle3)":
+        "import torch\nfrom fsd_eagle.head import EagleHead, HeadConfig\nfrom fsd_eagle.models import save_head\n"
+        "from transformers import AutoConfig\ntorch.manual_seed(0)\n"
+        "h = EagleHead(HeadConfig.for_target(AutoConfig.from_pretrained(F['target']), arch='eagle3', "
+        "draft_vocab_size=128)).double()\nsave_head(h, root / 'f64', dtype=torch.float64)\n"
+        "code, err = run(train_main, 'export', root / 'f64', '--format', 'eagle3', '--out', root / 'out')\n"
+        "print(f'RESULT: exit {code}; config.json says torch_dtype ' + "
+        "str(json.loads((root / 'out' / 'config.json').read_text()).get('torch_dtype')))",
+    "torch's CPU allocator failing (its message, raised where the model loads)":
+        "import resource, torch\nfrom fsd_eagle import cli as c\n"
+        "big = src\n"
+        "def load(args):\n    raise RuntimeError(\"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+        "can't allocate memory: you tried to allocate 17179869184 bytes. Error code 12 (Cannot allocate memory)\")\n"
+        "c.load_generator = load\n"
+        "try:\n    code, err = run(cli_main, 'generate', '--input', big, *model, '--quiet'); "
+        "print(f'RESULT: exit {code}: {err}')\n"
+        "except RuntimeError as e:\n    print(f'RESULT: RuntimeError escaped the command line: {str(e)[:60]}')",
+}
+
 TRAIN_CASES = {
     "recipe: epochs -1": "recipe_negative_epochs", "recipe: checkpoint_every 0": "recipe_zero_checkpoint",
     "recipe: lr NaN": "recipe_nan_lr", "recipe: lr Infinity": "recipe_inf_lr",
@@ -408,6 +503,11 @@ def cases() -> list[dict]:
            "TreeConfig(draft_vocab=10**6) on a vocabulary of 128": "gen.set_tree(6, 3, 2, 10**6)"}
     for name, expr in api.items():
         out.append(dict(item=7, what=name, code=LOAD + f"print('RESULT:', repr({expr})[:60])"))
+    for name, body in SECOND_BODIES.items():  # the second pass (docs/hardening.md, "Second pass")
+        out.append(dict(item=8, what=name, code=SECOND.replace("GEN_ARGS", repr(GEN)).replace("BODY", body)))
+    for name, extra in {"--temperature 0.8 --top-k 10**30 --children sampled": [
+            "--temperature", "0.8", "--top-k", str(10 ** 30), "--children", "sampled"]}.items():
+        out.append(dict(item=8, what=name, cli=[*gen, *extra, "--json"]))
     for i, case in enumerate(out, 1):
         case["id"] = f"{case['item']}.{i:02d}"
     return out

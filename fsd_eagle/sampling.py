@@ -7,12 +7,15 @@ the code depends on: greedy or sampling, filtered or not, which fuzzy rule) is s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .ops import first_argmax
 from .rng import DRAW_TOKEN, RandomStream
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,9 @@ class RuleValues:
         self.temperature[rows].fill_(s.temperature if s.temperature > 0 else 1.0)
         self.top_p[rows].fill_(s.top_p)
         self.top_k[rows].fill_(s.top_k)
-        self.threshold[rows].fill_(rule.fuzzy.threshold)
+        # A threshold beyond float32's range accepts whatever inf accepts (divergences are float32).
+        t = rule.fuzzy.threshold
+        self.threshold[rows].fill_(t if t <= FLOAT32_MAX else math.inf)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.temperature, self.top_p, self.top_k, self.threshold]

@@ -568,3 +568,15 @@ def test_fuzzy_never_replaces_the_exact_choice_for_no_gain():
     v = verify(tree, logits, AcceptanceRule(fuzzy=FuzzyConfig(threshold=math.inf)))
     assert int(v.n_accepted) == 2 and v.path.tolist()[:2] == [0, 2]
     assert int(v.bonus) == 2 and int(v.fuzzy_extra) == 0
+
+
+def test_a_threshold_beyond_float32_decodes_as_inf():
+    """T = 1e308 (a float64 the rule's float32 tensors cannot hold) decodes what T = inf decodes, rather
+    than failing when the rule's numbers are set."""
+    from fsd_eagle.api import SpeculativeGenerator
+    from test_api import PROMPT, TREE, make_llama, make_tokenizer, noisy_copy
+
+    model = make_llama(seed=0)
+    gen = SpeculativeGenerator(model, make_tokenizer(), draft_model=noisy_copy(model, 0.3), tree=TREE)
+    huge = gen.generate(PROMPT, 16, fuzzy=FuzzyConfig(threshold=1e308))
+    assert huge.token_ids == gen.generate(PROMPT, 16, fuzzy=FuzzyConfig(threshold=math.inf)).token_ids
