@@ -1,11 +1,15 @@
 """The generator behind an async interface: one engine thread decodes every request of the server.
 
-Requests of one rule form (greedy, sampling, fuzzy; speculative or plain) decode as rows of one open-ended
-``Scheduler`` over the generator's session for that form (``SpeculativeGenerator.session_for``): a request
-joins the running batch at the next round boundary and leaves it when it ends, and requests that differ
-only in rule numbers (temperature, top-p, threshold), seeds or stop strings share rounds. Schedulers of
-different forms take rounds in turn, so no form waits for another to drain. Each request's rows decode
-what ``SpeculativeGenerator.generate`` decodes for it alone.
+Requests of one rule form (greedy, sampling, fuzzy; speculative or plain) decode as rows of an open-ended
+``Scheduler`` (a lane) over the generator's session for that form and batch size
+(``SpeculativeGenerator.session_for``): a request joins the running batch at the next round boundary and
+leaves it when it ends, and requests that differ only in rule numbers (temperature, top-p, threshold),
+seeds or stop strings share rounds. A lane's size is the batch bucket of the demand when it opens (the
+requests of its form that arrive together, plus those already running), at most ``max_batch``: one client
+decodes on a one-row session with the batch-1 tree, 32 clients on a 32-row session with the tree tuned for
+32. When a lane is full and more requests of its form arrive, a larger lane opens beside it and the small
+one drains; an idle lane closes. Lanes take rounds in turn, so no form waits for another to drain. Each
+request decodes what ``SpeculativeGenerator.generate`` decodes for it alone.
 
 The event loop talks to the thread through a queue of commands (submit, cancel, stop); the thread answers
 each job through its ``emit`` callback (thread-safe: ``loop.call_soon_threadsafe``), with text pieces
@@ -60,12 +64,29 @@ class Job:
 
 @dataclass
 class _Lane:
-    """The open-ended scheduler of one session (rule form) and the jobs on it, by request index."""
+    """The open-ended scheduler of one session (rule form and batch size) and the jobs on it, by request
+    index; ``form`` identifies the requests it may take."""
 
+    form: tuple
     session: Session
     scheduler: Scheduler
     steps: Iterator
     jobs: dict[int, tuple[Job, TextOutput]] = field(default_factory=dict)
+    failed: bool = False  # a round raised: the lane takes nothing more and closes
+
+    @property
+    def open(self) -> bool:
+        return not self.failed and not self.scheduler.idle
+
+    @property
+    def free(self) -> int:
+        """Rows no request holds or waits for."""
+        return self.scheduler.rows - self.scheduler.running - len(self.scheduler.waiting)
+
+
+def form_of(call: PreparedCall) -> tuple:
+    """What requests must share to decode as rows of one lane: plain or speculative, and the rule's form."""
+    return call.autoregressive, call.rule.form
 
 
 class QueueFull(FSDError):
@@ -82,7 +103,7 @@ class EngineLoop:
         self.gen, self.max_batch, self.max_queue, self.context = gen, max_batch, max_queue, context
         self.metrics = metrics
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.lanes: dict[int, _Lane] = {}  # by id(session)
+        self.lanes: list[_Lane] = []
         self.waiting = 0  # jobs submitted and not yet started (read by submit's caller for 429)
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="fsd-eagle-engine", daemon=True)
@@ -120,55 +141,77 @@ class EngineLoop:
             with self.gen.exclusive():
                 self.ready.set()
                 while True:
-                    if not self._take_commands(block=all(lane.scheduler.idle for lane in self.lanes.values())):
+                    if not self._take_commands(block=not self.lanes):
                         break
-                    for key, lane in list(self.lanes.items()):
-                        if not lane.scheduler.idle:
-                            self._step(key, lane)
+                    for lane in list(self.lanes):
+                        self._step(lane)
+                    self.lanes = [lane for lane in self.lanes if lane.open]
         except Exception as e:  # the thread's last word: every job still known fails with one line
             self.failed = _one_line(e)
             self.ready.set()
-        for lane in self.lanes.values():
+        for lane in self.lanes:
             for job, _ in lane.jobs.values():
                 job.emit(Failed(self.failed or "the server is shutting down"))
 
     def _take_commands(self, block: bool) -> bool:
-        """Apply the queued commands (waiting for one when ``block``); False once told to stop."""
+        """Apply the queued commands (waiting for one when ``block``); False once told to stop. The
+        requests that arrived together are placed together (``_place``), so a new lane fits all of them."""
+        arrived: list[Job] = []
         while True:
             try:
                 kind, jobs = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
             except queue.Empty:
                 if block:
                     continue
-                return True
+                break
             if kind == "stop":
                 return False
-            for job in jobs:
-                if kind == "cancel":
-                    self._cancel(job)
-                    continue
-                try:
-                    self._admit(job)
-                except Exception as e:  # e.g. no memory for a new session: this request fails alone
-                    self._started(1)
-                    self.metrics.requests.labels(status="error").inc()
-                    job.emit(Failed(_one_line(e)))
+            if kind == "cancel":
+                for job in jobs:
+                    if job in arrived:
+                        arrived.remove(job)
+                        self._started(1)
+                        self.metrics.requests.labels(status="cancelled").inc()
+                    else:
+                        self._cancel(job)
+            else:
+                arrived += jobs
             block = False
+        forms: dict[tuple, list[Job]] = {}
+        for job in arrived:
+            forms.setdefault(form_of(job.call), []).append(job)
+        for form, jobs in forms.items():
+            self._place(form, jobs)
+        return True
 
-    def _admit(self, job: Job) -> None:
-        session = self.gen.session_for(job.call, self.max_batch)
-        key = id(session)
-        lane = self.lanes.get(key)
-        if lane is None:
-            max_len = Scheduler.cache_for(session, self.context)
-            scheduler = Scheduler(session, [], self.max_batch, open_ended=True, max_len=max_len)
-            lane = self.lanes[key] = _Lane(session, scheduler, scheduler.run())
-        c = job.call
-        index = lane.scheduler.submit(Request(c.prompt_ids, c.max_new_tokens, c.rule, c.seed, c.stats))
-        lane.jobs[index] = (job, TextOutput(self.gen.tokenizer, self.gen.eos_ids, c, job.streaming))
+    def _place(self, form: tuple, jobs: list[Job]) -> None:
+        """Give each of ``jobs`` (one form) a lane: the largest one of its form with a free row, else a new
+        lane sized for every request of the form (these and those in lanes), or the full one of that size."""
+        for at, job in enumerate(jobs):
+            try:
+                mine = [lane for lane in self.lanes if lane.form == form and not lane.failed]
+                lane = max((lane for lane in mine if lane.free > 0), key=lambda lane: lane.scheduler.rows, default=None)
+                if lane is None:
+                    demand = len(jobs) - at + sum(lane.scheduler.rows - lane.free for lane in mine)
+                    session = self.gen.session_for(job.call, min(self.max_batch, demand))
+                    lane = next((lane for lane in mine if lane.session is session), None) or self._open(form, session)
+                c = job.call
+                index = lane.scheduler.submit(Request(c.prompt_ids, c.max_new_tokens, c.rule, c.seed, c.stats))
+                lane.jobs[index] = (job, TextOutput(self.gen.tokenizer, self.gen.eos_ids, c, job.streaming))
+            except Exception as e:  # e.g. no memory for a new session: this request fails alone
+                self._started(1)
+                self.metrics.requests.labels(status="error").inc()
+                job.emit(Failed(_one_line(e)))
+
+    def _open(self, form: tuple, session: Session) -> _Lane:
+        rows = min(self.max_batch, session.batch)
+        scheduler = Scheduler(session, [], rows, open_ended=True, max_len=Scheduler.cache_for(session, self.context))
+        lane = _Lane(form, session, scheduler, scheduler.run())
+        self.lanes.append(lane)
+        return lane
 
     def _cancel(self, job: Job) -> None:
-        for lane in self.lanes.values():
+        for lane in self.lanes:
             for index, (j, _) in list(lane.jobs.items()):
                 if j is job:
                     if index in lane.scheduler.waiting:
@@ -182,8 +225,10 @@ class EngineLoop:
             self.waiting -= count
         self.metrics.queue_depth.set(self.waiting)
 
-    def _step(self, key: int, lane: _Lane) -> None:
+    def _step(self, lane: _Lane) -> None:
         """Run ``lane`` to its next round boundary, delivering what it yields."""
+        if not lane.open:
+            return
         waiting_before = len(lane.scheduler.waiting)
         try:
             for item in lane.steps:
@@ -196,11 +241,12 @@ class EngineLoop:
                 job.emit(Failed(message))
                 self.metrics.requests.labels(status="error").inc()
             self._started(len(lane.scheduler.waiting))
-            del self.lanes[key]
+            lane.jobs.clear()
+            lane.failed = True  # the lane closes; its session is kept for the next lane of its form
             return
         self._started(waiting_before - len(lane.scheduler.waiting))
         self.metrics.rounds.inc()
-        self.metrics.set_running(sum(lane.scheduler.running for lane in self.lanes.values()))
+        self.metrics.set_running(sum(lane.scheduler.running for lane in self.lanes))
 
     def _deliver(self, lane: _Lane, index: int, tokens: list[int]) -> None:
         entry = lane.jobs.get(index)
