@@ -10,6 +10,8 @@
     speed  single-process GPU speed benchmark (eval/speed.py; its own options, see `speed --help`)
     batch  batched throughput over batch sizes, ours and transformers generate (eval/batch.py; resumable;
            its own options, see `batch --help`)
+    serve  serving benchmark over HTTP: fsd-eagle serve with and without speculation, optionally transformers
+           serve, closed-loop concurrency levels and a Poisson rate (eval/serve.py; see `serve --help`)
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("speed", help="single-process GPU speed benchmark (eval/speed.py)", add_help=False)
     sub.add_parser("batch", help="batched throughput over batch sizes (eval/batch.py)", add_help=False)
+    sub.add_parser("serve", help="serving benchmark: our server with and without speculation, transformers "
+                                 "serve (eval/serve.py)", add_help=False)
 
     p = sub.add_parser("table", help="render results.json, results.md and the plot of a sweep folder")
     p.add_argument("--out", required=True, help="the sweep's results folder")
@@ -265,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             from .batch import main as batch_main
 
             return batch_main(argv[1:])
+        if argv and argv[0] == "serve":  # and eval/serve.py
+            from .serve import main as serve_main
+
+            return serve_main(argv[1:])
         args = _parser().parse_args(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -487,3 +487,27 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path):
             assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     finally:
         taken.close()
+
+
+def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_path):
+    """``python -m eval serve`` on a saved tiny target: every level of both variants measured without errors,
+    the file rewritten with its header, and speculation's ratios against the plain server."""
+    root = save_target_and_head(tmp_path, head_seed=1)
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, "-m", "eval", "serve", "--concurrency", "1,2", "--rate", "8", "--requests",
+                           "4", "--max-tokens", "8", "--max-model-len", "256", "--serve-args",
+                           f"--target {root / 'target'} --head {root / 'head'} --device cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=WAIT_S * 4,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {"date", "code", "command", "device", "versions", "start_s", "rows", "ratios"} <= set(result)
+    rows = {(r["server"], r["load"], r.get("concurrency", r.get("rate"))): r for r in result["rows"]}
+    assert set(rows) == {(s, load, level) for s in ("speculative", "plain")
+                         for load, level in (("closed", 1), ("closed", 2), ("poisson", 8.0))}
+    for r in rows.values():
+        assert r["errors"] == 0 and r["completion_tokens"] == 8 * r["requests"] and r["output_tokens_per_s"] > 0
+        assert r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["tpot_ms_p50"] > 0
+    assert rows[("plain", "closed", 1)]["tau_mean"] == 1.0
+    assert [e["level"] for e in result["ratios"]] == [1, 2, 8.0] and all(e["vs_plain_tokens_per_s"] > 0
+                                                                        for e in result["ratios"])
