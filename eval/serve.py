@@ -295,9 +295,45 @@ def run(args: argparse.Namespace) -> dict:
                     header["rows"].append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     write_json_atomic(out, ratios(header))
+                if variant.name == "speculative" and args.mixed_fsd:
+                    header["mixed_fsd"] = mixed_fsd(port, args)
+                    print(json.dumps(header["mixed_fsd"]), file=sys.stderr, flush=True)
+                    write_json_atomic(out, ratios(header))
         finally:
             server.stop()
     return ratios(header)
+
+
+def mixed_fsd(port: int, args: argparse.Namespace) -> dict:
+    """One closed-loop level of ``--mixed-fsd`` clients on our server where every other request asks for FSD
+    (``fsd: {threshold: --fsd-threshold}``) and the rest for exact decoding: both groups share the server's
+    rounds; each group's output tokens/s (its completion tokens over the level's wall time) and tau."""
+    c = args.mixed_fsd
+    fsd = {"fsd": {"threshold": args.fsd_threshold, "divergence": "kl"}}
+    texts = prompts(max(args.requests, 2 * c) + c)
+    bodies = [chat_body(None, t, args.max_tokens, **(fsd if i % 2 else {})) for i, t in enumerate(texts)]
+    closed_loop(port, [dict(b, max_tokens=16) for b in bodies[:c]], c)
+    timed = bodies[c:]
+    marks = {id(b): ("fsd" if "fsd" in b else "exact") for b in timed}
+    origin, lock, timings = time.perf_counter(), threading.Lock(), {"exact": [], "fsd": []}
+    queue = list(reversed(timed))
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                body = queue.pop()
+            t = one_request(port, body, origin=origin)
+            with lock:
+                timings[marks[id(body)]].append(t)
+
+    threads = [threading.Thread(target=client) for _ in range(c)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    wall = time.perf_counter() - origin
+    return {"concurrency": c, "fsd": fsd["fsd"], "wall_s": round(wall, 3),
+            "groups": {name: summarize(ts, wall) for name, ts in timings.items()}}
 
 
 def ratios(result: dict) -> dict:
@@ -359,6 +395,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-health", default="/health")
     p.add_argument("--hf-requests", type=int, default=None, help="timed requests per level for transformers serve "
                                                                     "(default --requests; it decodes far slower)")
+    p.add_argument("--mixed-fsd", type=int, default=0, metavar="C",
+                   help="also one level of C clients where every other request asks for FSD (0: none)")
+    p.add_argument("--fsd-threshold", type=float, default=1.0, help="the FSD threshold of --mixed-fsd requests")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--out", required=True)
     return p

@@ -330,11 +330,13 @@ class SpeculativeGenerator:
     def prepare(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, fuzzy: FuzzyConfig | None = None, seed: int | None = None,
                 stop: str | Sequence[str] | None = None, chat: bool | None = None, autoregressive: bool = False,
-                children: str = "auto") -> PreparedCall:
+                children: str = "auto", device: torch.device | str | None = None) -> PreparedCall:
         """Check one call's arguments (see ``generate``) and encode its prompt, without decoding: InputError or
         ConfigError for anything this generator cannot run. ``max_new_tokens`` is lowered to what the model's
         context leaves (``clipped`` says so). For servers and tools that run calls on sessions themselves
-        (``session_for``, fsd_eagle.schedule)."""
+        (``session_for``, fsd_eagle.schedule). ``device``: where the prompt ids go (default: the target's); a
+        thread other than the one that decodes passes "cpu", since a CUDA call from it while the decoding
+        thread captures a CUDA graph breaks the capture."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, children=children)
@@ -354,7 +356,7 @@ class SpeculativeGenerator:
             stop = (stop,)
         if stop is not None and (not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop)):
             raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
-        prompt_ids = torch.tensor(ids, dtype=torch.long, device=self.target.device)
+        prompt_ids = torch.tensor(ids, dtype=torch.long, device=self.target.device if device is None else device)
         return PreparedCall(prompt_ids, max_new_tokens, AcceptanceRule(sampling, fuzzy or FuzzyConfig()),
                      tuple(s for s in (stop or ()) if s), 0 if seed is None else seed,
                      autoregressive or self.drafter is None, clipped)

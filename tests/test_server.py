@@ -495,7 +495,7 @@ def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_pa
     root = save_target_and_head(tmp_path, head_seed=1)
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, "-m", "eval", "serve", "--concurrency", "1,2", "--rate", "8", "--requests",
-                           "4", "--max-tokens", "8", "--max-model-len", "256", "--serve-args",
+                           "4", "--max-tokens", "8", "--max-model-len", "256", "--mixed-fsd", "2", "--serve-args",
                            f"--target {root / 'target'} --head {root / 'head'} --device cpu", "--out", str(out)],
                           capture_output=True, text=True, timeout=WAIT_S * 4,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -511,3 +511,6 @@ def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_pa
     assert rows[("plain", "closed", 1)]["tau_mean"] == 1.0
     assert [e["level"] for e in result["ratios"]] == [1, 2, 8.0] and all(e["vs_plain_tokens_per_s"] > 0
                                                                         for e in result["ratios"])
+    mixed = result["mixed_fsd"]  # half the requests fuzzy, half exact, in one server at once
+    assert mixed["concurrency"] == 2 and set(mixed["groups"]) == {"exact", "fsd"}
+    assert all(g["errors"] == 0 and g["requests"] == 2 and g["tau_mean"] >= 1 for g in mixed["groups"].values())

@@ -195,8 +195,9 @@ class EngineLoop:
                     demand = len(jobs) - at + sum(lane.scheduler.rows - lane.free for lane in mine)
                     session = self.gen.session_for(job.call, min(self.max_batch, demand))
                     lane = next((lane for lane in mine if lane.session is session), None) or self._open(form, session)
-                c = job.call
-                index = lane.scheduler.submit(Request(c.prompt_ids, c.max_new_tokens, c.rule, c.seed, c.stats))
+                c = job.call  # its prompt ids come on the CPU (made by the event loop's thread): moved here
+                prompt = c.prompt_ids.to(self.gen.target.device)
+                index = lane.scheduler.submit(Request(prompt, c.max_new_tokens, c.rule, c.seed, c.stats))
                 lane.jobs[index] = (job, TextOutput(self.gen.tokenizer, self.gen.eos_ids, c, job.streaming))
             except Exception as e:  # e.g. no memory for a new session: this request fails alone
                 self._started(1)

@@ -96,7 +96,7 @@ class Serving:
             try:
                 call = self.gen.prepare(ids, min(budget or room, room), temperature=req.temperature, top_p=req.top_p,
                                         top_k=req.top_k, fuzzy=fuzzy, seed=seed, stop=req.stops(),
-                                        autoregressive=not req.speculative)
+                                        autoregressive=not req.speculative, device="cpu")
             except FSDError as e:
                 raise APIError(str(e), param=_param_of(str(e))) from None
             if call.clipped and budget is not None:
