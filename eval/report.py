@@ -46,7 +46,8 @@ from fsd_eagle.jsonl import write_text_atomic
 
 from .metrics import token_agreement
 from .runinfo import write_json_atomic
-from .sweep import (RUNS_FILE, SETTINGS_FILE, TASKS, Config, ResultStore, format_threshold, threshold_from_json)
+from .sweep_store import (RUNS_FILE, SETTINGS_FILE, TASKS, Config, ResultStore, format_threshold,
+                          threshold_from_json)
 
 ACC_KEYS = {"gsm8k": "gsm8k_acc", "mmlu": "mmlu_acc", "humaneval": "humaneval_pass1", "arith": "arith_acc"}
 TASK_TITLES = {"gsm8k": "GSM8K", "mmlu": "MMLU", "humaneval": "HumanEval pass@1", "arith": "Arithmetic"}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ import torch
 
 from fsd_eagle.jsonl import write_text_atomic
 
+from .rows import _label, parse_trees, row_patterns, row_wanted, sampling_rows  # noqa: F401
 from .runinfo import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,19 +85,6 @@ def add_tree_arguments(p) -> None:
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all tokens; default: the preset's)")
     p.add_argument("--pool", type=int, help="sampled children drawn from each node's POOL most likely draft tokens "
                                             "(0 = the whole draft vocabulary; default: the preset's)")
-
-
-def parse_trees(text: str | None) -> list:
-    """``--trees``: "64/6/8/v16384,96/6/12" -> TreeConfigs (a one-line error for a malformed item)."""
-    from fsd_eagle.config import TreeConfig
-    from fsd_eagle.errors import ConfigError
-
-    if not text:
-        return []
-    try:
-        return TreeConfig.parse_list(text)
-    except ConfigError as e:
-        raise SystemExit(f"error: --trees: {e}") from None
 
 
 def _summary(runs: list[float], device: torch.device) -> dict:
@@ -267,28 +254,6 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
     return out
 
 
-def _label(row: dict, with_tree: bool = False) -> str:
-    """A row's unique name: method (with divergence and threshold for FSD), the tree when the run names its
-    trees (``--trees``; ``with_tree``), backend, and the sampling settings when not greedy, e.g. ``eagle2_compiled``,
-    ``fsd_kl_T1_graph_t0.7_p0.9``, ``eagle2_96-6-12-v16384_compiled_t0.7``."""
-    name = row["method"] if row["method"] != "fsd" else f"fsd_{row['divergence']}_T{row['threshold']:g}"
-    if with_tree and row.get("tree") not in (None, "ar"):
-        name += "_" + row["tree"].replace("/", "-")
-    name += f"_{row['backend']}" if row["backend"] != "hf" else ""
-    if row.get("temperature"):
-        name += f"_t{row['temperature']:g}" + (f"_p{row['top_p']:g}" if row.get("top_p", 1.0) < 1.0 else "")
-    if row.get("children", "top") != "top":
-        name += f"_{row['children']}"
-    return name
-
-
-def row_wanted(patterns: list[str], row: dict, with_tree: bool = False) -> bool:
-    """Whether a row (its method, divergence, threshold, backend, sampling settings and tree) is one that
-    ``--rows`` asks for: its name (``_label``) matches one of the glob ``patterns``; every row without any."""
-    name = _label(row, with_tree)
-    return not patterns or any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-
-
 def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
     """Copies of the method rows, rounded, with: speedup vs transformers ``generate`` and vs our AR with the
     same backend and sampling settings (same kernels; HF's row against the graph AR); for sampling rows, the
@@ -367,17 +332,6 @@ def load_prompts(source: str, limit: int) -> list[str]:
     if source == "arith":
         return [arith_prompt(p) for p in load_arith("test", limit=limit)]
     return [q.turns[0] for q in load_mt_bench(limit=limit)]
-
-
-def row_patterns(text: str) -> list[str]:
-    """``--rows``: comma-separated glob patterns (empty: every row)."""
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def sampling_rows(method: str, temperatures: list[float], children: list[str]) -> list[tuple[float, str]]:
-    """The (temperature, children) of a method's rows, in order: each temperature, and when a drafting method
-    samples, each kind of children (plain decoding and greedy rows have none to choose)."""
-    return [(t, c) for t in temperatures for c in (children if t and method != "ar" else ["top"])]
 
 
 def warm_first(a, backends: list[str], temperatures: list[float], children: list[str],

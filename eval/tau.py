@@ -77,12 +77,3 @@ def measure_tau(questions, target=None, head=None, device=None, dtype=None, max_
             "questions": {k: v[2] for k, v in per.items()}, "temperature": temperature,
             **({"seed": seed} if temperature else {}), **checked, "seconds": round(time.perf_counter() - start, 1)}
 
-
-if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from eval.__main__ import main
-
-    sys.exit(main(["tau", *sys.argv[1:]]))

@@ -42,7 +42,7 @@ def warmups(a, methods: list[str], fsd_rows: list[tuple[str, float]], temperatur
     (the threshold is a number the round reads), so its first threshold stands for all. Each tree gets a run of
     its own because a process compiles one configuration after the other: six trees in one warm-up took about
     15 minutes on an H200 host, where side by side they take about what one does."""
-    from eval.speed import parse_trees, row_patterns, row_wanted, sampling_rows
+    from eval.rows import parse_trees, row_patterns, row_wanted, sampling_rows
 
     patterns = row_patterns(getattr(a, "rows", ""))
     trees = [t.label for t in parse_trees(getattr(a, "trees", None))]

@@ -20,8 +20,8 @@ import torch
 
 from . import compile_cache
 from .config import TreeConfig
-from .decode import (RoundResult, RoundState, capture, capture_first, compiled_prefill, compiled_round,
-                     mark_batch_dynamic, prefill, prefill_bucket, round_attention, run_round)
+from .decode import (PREFILL_POW2_UP_TO, RoundResult, RoundState, capture, capture_first, compiled_prefill,
+                     compiled_round, mark_batch_dynamic, prefill, prefill_bucket, round_attention, run_round)
 from .drafter import DraftRoot, ModelDrafter, SlotDrafter
 from .engine import Engine
 from .errors import ConfigError
@@ -172,12 +172,15 @@ def prefill_rows_for(prompts: int, sizes: tuple[int, ...]) -> int:
 def prefill_groups(lengths: list[int], most: int) -> list[list[int]]:
     """The prompts of ``lengths`` (their indices) in the groups that are prefilled together, at most
     ``most`` a group: longest first (ties in their order), so that each group's prompts have similar
-    lengths (a group pads every row to its longest prompt), and a prompt less than half as long as its
-    group's longest starts a group of its own: no prompt is padded to more than twice its length (a
-    10,000-token prompt prefills alone, not with three short ones padded to it)."""
+    lengths (a group pads every row to its longest prompt), and where the group's longest prompt is long
+    enough for padding to cost arithmetic (over PREFILL_POW2_UP_TO tokens), a prompt less than half as long
+    starts a group of its own: no prompt is padded to more than twice its length or PREFILL_POW2_UP_TO
+    tokens (a 10,000-token prompt prefills alone, not with three short ones padded to it; short prompts,
+    whose prefill costs launches, still share one)."""
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups and len(groups[-1]) < most and 2 * lengths[i] >= lengths[groups[-1][0]]:
+        longest = lengths[groups[-1][0]] if groups else 0
+        if groups and len(groups[-1]) < most and (longest <= PREFILL_POW2_UP_TO or 2 * lengths[i] >= longest):
             groups[-1].append(i)
         else:
             groups.append([i])

@@ -223,9 +223,11 @@ def test_prompts_prefilled_together_are_grouped_by_length():
     assert prefill_groups([40, 1400, 60, 1500], 2) == [[3, 1], [2, 0]]
     assert prefill_groups([5, 9, 5, 7, 9], 8) == [[1, 4, 3, 0, 2]]
     assert prefill_groups([3, 1, 2], 1) == [[0], [2], [1]]
-    # never padded to more than twice a prompt's length: the long prompt prefills alone
+    # long prompts never pad a prompt to more than twice its length: the long prompt prefills alone; short
+    # ones (up to PREFILL_POW2_UP_TO tokens, where a prefill costs launches) still share a group
     assert prefill_groups([10_000, 20, 30, 25], 4) == [[0], [2, 3, 1]]
-    assert prefill_groups([100, 50, 49, 25], 8) == [[0, 1], [2, 3]]
+    assert prefill_groups([2000, 1000, 999, 600, 40], 8) == [[0, 1], [2, 3], [4]]
+    assert prefill_groups([500, 5, 130, 40], 8) == [[0, 2, 3, 1]]
 
 
 def test_waiting_prompts_start_shortest_first():
