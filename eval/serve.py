@@ -175,24 +175,24 @@ def one_request(port: int, body: dict, stream: bool = True, origin: float = 0.0)
 
 
 def closed_loop(port: int, bodies: list[dict], concurrency: int) -> tuple[list[Timing], float]:
-    """``concurrency`` clients sending ``bodies`` in turn until all are sent; (timings, wall seconds)."""
-    origin, lock, timings = time.perf_counter(), threading.Lock(), []
-    queue = list(reversed(bodies))
+    """``concurrency`` clients sending ``bodies`` in turn until all are sent; (their timings in the order of
+    ``bodies``, wall seconds)."""
+    origin, lock = time.perf_counter(), threading.Lock()
+    timings: list[Timing | None] = [None] * len(bodies)
+    queue = list(reversed(range(len(bodies))))
 
     def client() -> None:
         while True:
             with lock:
                 if not queue:
                     return
-                body = queue.pop()
-            t = one_request(port, body, origin=origin)
-            with lock:
-                timings.append(t)
+                i = queue.pop()
+            timings[i] = one_request(port, bodies[i], origin=origin)
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    return timings, time.perf_counter() - origin
+    return timings, time.perf_counter() - origin  # type: ignore[return-value]
 
 
 def open_loop(port: int, bodies: list[dict], rate: float, seed: int = 0) -> tuple[list[Timing], float]:
@@ -314,24 +314,9 @@ def mixed_fsd(port: int, args: argparse.Namespace) -> dict:
     bodies = [chat_body(None, t, args.max_tokens, **(fsd if i % 2 else {})) for i, t in enumerate(texts)]
     closed_loop(port, [dict(b, max_tokens=16) for b in bodies[:c]], c)
     timed = bodies[c:]
-    marks = {id(b): ("fsd" if "fsd" in b else "exact") for b in timed}
-    origin, lock, timings = time.perf_counter(), threading.Lock(), {"exact": [], "fsd": []}
-    queue = list(reversed(timed))
-
-    def client() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                body = queue.pop()
-            t = one_request(port, body, origin=origin)
-            with lock:
-                timings[marks[id(body)]].append(t)
-
-    threads = [threading.Thread(target=client) for _ in range(c)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    wall = time.perf_counter() - origin
+    got, wall = closed_loop(port, timed, c)
+    timings = {"exact": [t for b, t in zip(timed, got) if "fsd" not in b],
+               "fsd": [t for b, t in zip(timed, got) if "fsd" in b]}
     return {"concurrency": c, "fsd": fsd["fsd"], "wall_s": round(wall, 3),
             "groups": {name: summarize(ts, wall) for name, ts in timings.items()}}
 
