@@ -75,7 +75,12 @@ def open_binary(path: Path, what: str) -> IO[bytes]:
     except OSError as e:
         raise InputError(f"cannot read {what} file {path}: {e.strerror or e}") from None
     magic = f.peek(2)[:2] if isinstance(f, io.BufferedReader) else b""
-    return gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+    if magic != b"\x1f\x8b":
+        return f
+    if path.is_file():  # reopened by name, so that closing the reader closes the file
+        f.close()
+        return gzip.open(path, "rb")
+    return gzip.GzipFile(fileobj=f, mode="rb")  # a pipe is read once, from the bytes already peeked at
 
 
 def id_key(value) -> str:

@@ -327,7 +327,7 @@ def test_models_health_metrics_and_unknown_routes(served):
 
 def read_events(resp, count: int) -> list[str]:
     """The first ``count`` server-sent events of a streaming response."""
-    events, buf = [], b""
+    events = []
     while len(events) < count:
         line = resp.readline()
         assert line, "the stream ended early"

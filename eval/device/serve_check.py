@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eval.serve import Server, chat_body, free_port, one_request  # noqa: E402
+from eval.serve import Server, chat_body, free_port  # noqa: E402
 from eval.tasks import load_mt_bench  # noqa: E402
 
 

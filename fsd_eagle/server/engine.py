@@ -251,8 +251,7 @@ class EngineLoop:
 
     def _deliver(self, lane: _Lane, index: int, tokens: list[int]) -> None:
         entry = lane.jobs.get(index)
-        if entry is None:  # cancelled: its row frees itself
-            lane.scheduler.finish(index)
+        if entry is None:  # cancelled (``_cancel`` finished it): its row frees itself
             return
         job, output = entry
         now = time.perf_counter()

@@ -41,12 +41,11 @@ class APIError(Exception):
 
 @dataclass
 class Settings:
-    """What the server serves: the model's name, the tokens of context a request may use (prompt plus
-    completion), and the token budget of a request that names none (None: the rest of the context)."""
+    """What the server serves: the model's name and the tokens of context a request may use (prompt plus
+    completion; a request that names no token budget may use the rest of it)."""
 
     model_name: str
     context: int
-    default_max_tokens: int | None = None
 
 
 class Serving:
@@ -76,8 +75,6 @@ class Serving:
             except FSDError as e:
                 raise APIError(str(e), param="fsd") from None
         budget = req.token_budget()
-        if budget is None:
-            budget = self.settings.default_max_tokens
         try:
             ids = self.gen.encode(prompt, chat=chat)
         except FSDError as e:
