@@ -52,6 +52,7 @@ class Timing:
     chunks: int = 0  # content chunks received
     completion_tokens: int = 0  # from usage; else the content chunks
     tau: float | None = None
+    mode: str | None = None  # how our server's rounds ran for it: "compiled", "graph" or "eager"
     error: str | None = None
 
     @property
@@ -74,13 +75,15 @@ class Server:
     port: int
     model: str | None
     health: str = "/health"
+    env: dict = field(default_factory=dict)  # added to this process's environment
     proc: subprocess.Popen | None = None
+    healthy_s: float | None = None  # from start to the first healthy answer of the health route
     started_s: float | None = None  # from start to the first answered request
 
     def start(self, log: Path, wait_s: float) -> None:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.command, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **self.env})
         deadline = t0 + wait_s
         while True:
             if self.proc.poll() is not None:
@@ -89,7 +92,8 @@ class Server:
                 raise RuntimeError(f"{self.name} did not answer within {wait_s:.0f} s (see {log})")
             if self._answers():
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
+        self.healthy_s = time.perf_counter() - t0
         first = one_request(self.port, chat_body(self.model, "Say hello.", 8, stream=False), stream=False)
         if first.error:
             raise RuntimeError(f"{self.name}: the first request failed: {first.error}")
@@ -143,6 +147,7 @@ def one_request(port: int, body: dict, stream: bool = True, origin: float = 0.0)
             usage = json.loads(resp.read()).get("usage") or {}
             t.first = t.done = time.perf_counter() - origin
             t.completion_tokens = usage.get("completion_tokens", 0)
+            t.mode = (usage.get("speculation") or {}).get("mode")
             return t
         usage = None
         while True:
@@ -168,6 +173,7 @@ def one_request(port: int, body: dict, stream: bool = True, origin: float = 0.0)
         t.done = time.perf_counter() - origin
         t.completion_tokens = (usage or {}).get("completion_tokens") or t.chunks
         t.tau = ((usage or {}).get("speculation") or {}).get("tau")
+        t.mode = ((usage or {}).get("speculation") or {}).get("mode")
         conn.close()
     except (OSError, ValueError, http.client.HTTPException) as e:
         t.error = f"{type(e).__name__}: {e}"[:200]
@@ -234,7 +240,30 @@ def summarize(timings: list[Timing], wall: float) -> dict:
             "requests_per_s": round(len(ok) / wall, 3) if wall else None,
             "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
             "tpot_ms_p50": ms(percentile(tpot, 50)), "tpot_ms_p99": ms(percentile(tpot, 99)),
-            "tau_mean": round(sum(taus) / len(taus), 3) if taus else None}
+            "tau_mean": round(sum(taus) / len(taus), 3) if taus else None,
+            "modes": modes_of(ok)}
+
+
+def modes_of(timings: list[Timing]) -> dict:
+    """How many of ``timings`` our server decoded in each mode ({} for servers that do not say)."""
+    counts: dict = {}
+    for t in timings:
+        if t.mode is not None:
+            counts[t.mode] = counts.get(t.mode, 0) + 1
+    return counts
+
+
+def warm(port: int, bodies: list[dict], level: int, until_compiled: bool, deadline: float) -> float:
+    """Run ``bodies`` (short requests) on ``level`` clients: the level's batch size gets its sessions. With
+    ``until_compiled``, again until every answer says its rounds ran compiled (our server makes compiled
+    rounds in the background and moves to them once ready) or ``deadline`` (perf_counter) passes. Returns
+    the seconds it took."""
+    start = time.perf_counter()
+    while True:
+        timings, _ = closed_loop(port, bodies, level)
+        modes = modes_of([t for t in timings if t.error is None])
+        if not until_compiled or "graph" not in modes or time.perf_counter() > deadline:
+            return time.perf_counter() - start
 
 
 def prompts(n: int) -> list[str]:
@@ -258,11 +287,14 @@ def run(args: argparse.Namespace) -> dict:
     logs = out.with_suffix(".logs")
     logs.mkdir(parents=True, exist_ok=True)
     levels = [("closed", c) for c in args.concurrency] + [("poisson", r) for r in args.rate]
-    most = max(args.concurrency + [args.max_batch or 0])
+    most = max(args.concurrency + args.startup + [args.max_batch or 0, 1])
     ours = [sys.executable, "-m", "fsd_eagle.cli", "serve", "--port", "{port}", "--max-batch", str(args.max_batch or most),
             "--max-queue", str(max(256, 4 * most)), "--max-model-len", str(args.max_model_len), "--quiet",
             *args.serve_args]
     servers = {"fsd-eagle": (ours, None, "/health")}
+    compiling = "--no-compile" not in args.serve_args  # on a GPU our server compiles rounds in the background
+    cache = Path(args.compile_cache) if args.compile_cache else logs / "compile-cache"
+    cache_env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
     variants = [Variant("speculative", "fsd-eagle"), Variant("plain", "fsd-eagle", {"speculative": False})]
     if args.hf:
         servers["transformers"] = (shlex.split(args.hf_command), args.hf_model, args.hf_health)
@@ -271,10 +303,13 @@ def run(args: argparse.Namespace) -> dict:
               "command": "python -m eval serve " + " ".join(shlex.quote(a) for a in args.argv),
               "device": device_name(), "versions": versions(), "max_tokens": args.max_tokens,
               "prompts": "MT-bench first turns, then Spec-Bench's other subtasks' first turns", "rows": []}
-    for name, (command, model, health) in servers.items():
+    if args.startup:
+        header["startup"] = startup(ours, cache_env, logs, args)
+        write_json_atomic(out, ratios(header))
+    for name, (command, model, health) in servers.items() if levels or args.mixed_fsd else ():
         port = free_port()
         server = Server(name, [a.replace("{port}", str(port)).replace("{python}", sys.executable) for a in command],
-                        port, model, health)
+                        port, model, health, cache_env if name == "fsd-eagle" else {})
         print(f"starting {name}: {' '.join(server.command)}", file=sys.stderr, flush=True)
         try:
             server.start(logs / f"{name}.log", args.start_timeout)
@@ -285,13 +320,15 @@ def run(args: argparse.Namespace) -> dict:
                     count = max(n, 2 * level) if kind == "closed" else n
                     texts = prompts(count + (level if kind == "closed" else 0))
                     bodies = [chat_body(model, t, args.max_tokens, **variant.extra) for t in texts]
-                    if kind == "closed":  # warm this batch size, then time the level
-                        closed_loop(port, [dict(b, max_tokens=16) for b in bodies[:level]], level)
+                    warm_s = None
+                    if kind == "closed":  # warm this batch size (until its rounds run compiled), then time the level
+                        warm_s = warm(port, [dict(b, max_tokens=16) for b in bodies[:level]], level,
+                                      compiling and name == "fsd-eagle", time.perf_counter() + args.start_timeout)
                         timings, wall = closed_loop(port, bodies[level:], level)
                     else:
                         timings, wall = open_loop(port, bodies[:count], level)
                     row = {"server": variant.name, "load": kind, ("concurrency" if kind == "closed" else "rate"): level,
-                           **summarize(timings, wall)}
+                           **summarize(timings, wall), "warm_s": None if warm_s is None else round(warm_s, 1)}
                     header["rows"].append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     write_json_atomic(out, ratios(header))
@@ -302,6 +339,47 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             server.stop()
     return ratios(header)
+
+
+def startup(command: list[str], env: dict, logs: Path, args: argparse.Namespace) -> dict:
+    """Start our server twice on the same compile cache (``env``), the first time with what the cache holds
+    (nothing on a fresh machine), then again after a SIGTERM (a restart), each time timing its health route
+    and first answer, then per ``--startup`` level waves of closed-loop requests (``--startup-tokens`` new
+    tokens each) until every answer of a wave ran compiled: when that happened (seconds from the start) and
+    the output tokens/s of the waves before (graph rounds) and of the last one (compiled). Off a GPU rounds
+    run eagerly and the first wave ends the level."""
+    result = {"cache_held_files_before": sum(1 for p in Path(env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*") if p.is_file())
+              if Path(env["TORCHINDUCTOR_CACHE_DIR"]).is_dir() else 0}
+    for attempt in ("first", "restart"):
+        port = free_port()
+        server = Server("fsd-eagle", [a.replace("{port}", str(port)) for a in command], port, None, env=env)
+        t0 = time.perf_counter()
+        server.start(logs / f"startup-{attempt}.log", args.start_timeout)
+        entry = {"health_s": round(server.healthy_s, 1), "first_answer_s": round(server.started_s, 1), "levels": {}}
+        try:
+            for level in args.startup:
+                bodies = [chat_body(None, t, args.startup_tokens) for t in prompts(level)]
+                before, last, deadline = [], None, t0 + args.start_timeout
+                while time.perf_counter() < deadline:
+                    timings, wall = closed_loop(port, bodies, level)
+                    ok = [t for t in timings if t.error is None]
+                    wave = {"at_s": round(time.perf_counter() - t0, 1), "modes": modes_of(ok),
+                            "tokens_per_s": round(sum(t.completion_tokens for t in ok) / wall, 1)}
+                    if "graph" not in wave["modes"]:  # all compiled (or, off a GPU, eager: nothing to wait for)
+                        last = wave
+                        break
+                    before.append(wave)
+                rates = [w["tokens_per_s"] for w in before]
+                entry["levels"][str(level)] = {
+                    "compiled_at_s": last and last["at_s"], "compiled_tokens_per_s": last and last["tokens_per_s"],
+                    "waves_before": len(before), "tokens_per_s_before": round(sum(rates) / len(rates), 1) if rates else None,
+                    "first_wave": before[0] if before else last}
+                print(json.dumps({"startup": attempt, "level": level, **entry["levels"][str(level)]}), file=sys.stderr,
+                      flush=True)
+        finally:
+            server.stop()
+        result[attempt] = entry
+    return result
 
 
 def mixed_fsd(port: int, args: argparse.Namespace) -> dict:
@@ -364,7 +442,8 @@ def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m eval serve", description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--concurrency", type=ints, default=[1, 8, 32, 64], help="closed-loop clients per level")
+    p.add_argument("--concurrency", type=ints, default=[1, 8, 32, 64],
+                   help="closed-loop clients per level (\"\": none; with --rate \"\", only --startup)")
     p.add_argument("--rate", type=floats, default=[8.0], help="open-loop Poisson arrival rates (requests/s)")
     p.add_argument("--requests", type=int, default=64, help="timed requests per level (closed: at least 2 C)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -383,7 +462,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-fsd", type=int, default=0, metavar="C",
                    help="also one level of C clients where every other request asks for FSD (0: none)")
     p.add_argument("--fsd-threshold", type=float, default=1.0, help="the FSD threshold of --mixed-fsd requests")
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds a server may take to answer, and a level to reach compiled rounds")
+    p.add_argument("--compile-cache", default=None,
+                   help="our server's compile cache folder (default: <out>.logs/compile-cache)")
+    p.add_argument("--startup", type=ints, default=[], metavar="LEVELS",
+                   help="first measure start-up and a restart: per level, until its rounds run compiled")
+    p.add_argument("--startup-tokens", type=int, default=64, help="new tokens of each start-up request")
     p.add_argument("--out", required=True)
     return p
 

@@ -81,6 +81,7 @@ class SpeculativeGenerator:
         self._compile = False  # compile rounds with torch.compile before capture (GPUs; ~1 min once per plan)
         self._attention: str | None = None  # preferred tree attention of compiled rounds (see use_attention)
         self._sessions: dict[Plan, Session] = {}
+        self._sessions_lock = threading.Lock()
         self._calls = _OneCall()  # the sessions serve one call at a time
         self._check_tree(tree)
 
@@ -483,17 +484,19 @@ class SpeculativeGenerator:
                               fuzzy or FuzzyConfig())
         return self._session(not autoregressive, rule, batch)
 
-    def session_for(self, call: PreparedCall, rows: int = 1) -> Session:
+    def session_for(self, call: PreparedCall, rows: int = 1, compiled: bool | None = None) -> Session:
         """The kept session on which ``call`` decodes among ``rows`` prompts of its rule form (the session
-        ``generate`` uses: calls that differ only in rule numbers, seeds or prompts share it)."""
-        return self._session(not call.autoregressive, call.rule, rows)
+        ``generate`` uses: calls that differ only in rule numbers, seeds or prompts share it). ``compiled``:
+        the session with compiled rounds (True) or with graph rounds only (False) whatever ``compile`` says
+        (None: as it says), for a driver that decodes on graph rounds while compiled ones are being made."""
+        return self._session(not call.autoregressive, call.rule, rows, compiled)
 
     def exclusive(self):
         """A context manager that holds this generator for the calling thread, as a generation call does
         (other threads' calls wait; see ``generate``): for a driver that runs sessions itself."""
         return self._calls.hold()
 
-    def _session(self, drafting: bool, rule: AcceptanceRule, rows: int) -> Session:
+    def _session(self, drafting: bool, rule: AcceptanceRule, rows: int, compiled: bool | None = None) -> Session:
         """The kept session for ``rows`` prompts under ``rule``: calls that differ only in temperature,
         top-p, top-k, threshold, seed or prompts share one (and its graphs). The tree is the batch's
         (``_batch_tree``: its size's, greedy or sampling)."""
@@ -501,10 +504,12 @@ class SpeculativeGenerator:
         drafting = drafting and drafts and self.engine.has_drafter and tree.drafts
         form = rule.form_for(tree) if drafting else rule.form.exact()
         graphs = self._cuda_graphs and self.target.device.type == "cuda"
-        plan = Plan(tree, form, drafting, graphs, self._compile and graphs, self._attention, session_rows(rows))
-        if plan not in self._sessions:
-            self._sessions[plan] = Session(self.engine, plan)
-        return self._sessions[plan]
+        compile = self._compile if compiled is None else compiled
+        plan = Plan(tree, form, drafting, graphs, compile and graphs, self._attention, session_rows(rows))
+        with self._sessions_lock:  # a server makes compiled sessions on a thread of their own
+            if plan not in self._sessions:
+                self._sessions[plan] = Session(self.engine, plan)
+            return self._sessions[plan]
 
     def _decode(self, calls: list[PreparedCall], rows: int, streaming: bool = False
                 ) -> Iterator[tuple[int, str | GenerationResult]]:

@@ -124,6 +124,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its folder's)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets running requests finish (default 30)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="GPU: decode on CUDA-graph rounds only (by default the server answers on them from the "
+                        "start and compiles rounds in the background, moving each configuration to them once ready)")
     p.add_argument("--quiet", action="store_true", help="no start-up line on stderr")
 
 
@@ -149,13 +152,18 @@ def run_serve(args: argparse.Namespace) -> int:
     check_address(args.host, args.port)
     args.tp_size, args.autoregressive, args.json = 1, False, False
     args.total_tokens = args.depth = args.tree_top_k = args.draft_vocab = None
+    background = not args.no_compile  # compiled sessions are made beside serving, not at load (``--compile``)
+    args.compile = False
     gen = load_generator(args)
+    background = background and gen.target.device.type == "cuda" and gen.cuda_graphs
+    if background:
+        keep_compiled_kernels()
     limit = gen.target.max_positions
     cap = limit if gen.target.device.type == "cuda" else min(limit, CPU_CONTEXT)
     context = min(args.max_model_len or cap, limit)
     name = args.served_model_name or model_name(gen.engine.model.config) or "fsd-eagle"
     return serve(gen, Settings(name, context), args.host, args.port, args.max_batch, args.max_queue, args.api_key,
-                 args.drain_timeout, args.quiet)
+                 args.drain_timeout, args.quiet, compile=background)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -218,12 +226,22 @@ def start_ranks(args: argparse.Namespace) -> None:
         sys.stdout = open(os.devnull, "w")
 
 
+def keep_compiled_kernels() -> None:
+    """Compiled kernels go to the fsd-eagle cache folder (fsd_eagle.compile_cache.use_folder)."""
+    from .compile_cache import use_folder
+    from .models import cache_dir
+
+    use_folder(cache_dir() / "compile")
+
+
 def load_generator(args: argparse.Namespace):
     """The generator the options describe: model, drafter, tree (the preset, explicit values winning), attention."""
     from .api import SpeculativeGenerator
     from .trees_presets import model_name
 
     quiet_transformers()
+    if args.compile:
+        keep_compiled_kernels()
     gen = SpeculativeGenerator.load(target=args.target, head=args.head, draft_model=args.draft_model,
                                     device=args.device, dtype=args.dtype, compile=args.compile, threads=args.threads,
                                     tp_size=getattr(args, "tp_size", None) or 1)

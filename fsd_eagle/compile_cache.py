@@ -1,4 +1,9 @@
-"""Compiled rounds that travel between machines: with ``FSD_EAGLE_COMPILE_CACHE=<file>`` set, the first
+"""Where compiled kernels are kept. ``use_folder``: the commands that compile keep torch.compile's local cache
+in the fsd-eagle cache folder (``~/.cache/fsd-eagle/compile``, or ``$FSD_EAGLE_CACHE/compile``) unless
+``TORCHINDUCTOR_CACHE_DIR`` names another place, so a restart on the same machine (a server's included)
+finds every kernel it compiled before, even after /tmp was cleared.
+
+Compiled rounds that travel between machines: with ``FSD_EAGLE_COMPILE_CACHE=<file>`` set, the first
 compiled round or prefill of a process loads the kernels that file holds (``decode._compile``), and every
 compiled capture writes the process's kernels back to it (those it loaded included; ``Session``).
 
@@ -25,6 +30,13 @@ import torch
 
 ENV = "FSD_EAGLE_COMPILE_CACHE"
 _restored: set[Path] = set()
+
+
+def use_folder(folder: Path) -> Path:
+    """Keep inductor's cache (its generated code and compiled kernels) in ``folder``/inductor unless
+    ``TORCHINDUCTOR_CACHE_DIR`` is set; returns the folder in use. Call before the first compilation."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def cache_files() -> list[Path]:

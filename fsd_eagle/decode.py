@@ -354,24 +354,42 @@ def capture(fn, state: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGr
     for graphs that replay one at a time, each one's outputs used before another replays. Returns
     (graph, fn's outputs), or None (eager fallback) if ``fn`` cannot be compiled or captured."""
     saved = [t.clone() for t in state]
+    caller = torch.cuda.current_stream()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(caller)
     try:
         with torch.cuda.stream(stream):
             for _ in range(2):
                 fn()
                 for t, v in zip(state, saved):
                     t.copy_(v)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+            graph, out = record(fn, pool)
+        caller.wait_stream(stream)
     except RuntimeError as e:  # an op that syncs or is not capturable here; inductor errors are RuntimeErrors
-        torch.cuda.synchronize()
+        stream.synchronize()
         for t, v in zip(state, saved):
             t.copy_(v)
+        caller.wait_stream(stream)
         warnings.warn(f"CUDA graph capture failed: {failure(e)}")
         return None
+    return graph, out
+
+
+def record(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Capture one call of ``fn`` on the current (side) stream in thread-local mode: other threads may go on
+    using the GPU meanwhile (a server replays its graphs on one thread while another captures compiled
+    rounds); unlike ``torch.cuda.graph`` nothing syncs the whole device or empties the allocator's cache."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        out = fn()
+    except BaseException:
+        try:
+            graph.capture_end()
+        except RuntimeError:  # the capture was already invalidated by what ``fn`` raised on
+            pass
+        raise
+    graph.capture_end()
     return graph, out
 
 

@@ -352,6 +352,69 @@ def wait_for(condition, what: str) -> None:
         time.sleep(0.05)
 
 
+def counted(session):
+    """Count the rounds ``session`` launches (its ``launch`` wrapped on the instance); returns the counter."""
+    launches = [0]
+    launch = session.launch
+
+    def counting():
+        launches[0] += 1
+        return launch()
+
+    session.launch = counting
+    return launches
+
+
+def test_compiled_sessions_take_over_new_requests_while_running_ones_finish_as_they_began(parts, ref):
+    """With ``compile``, requests decode on graph sessions until the compiler thread hands over the
+    configuration's compiled session; later requests decode on it, each equal to generate's. On the CPU
+    nothing compiles: the compiler is given a maker of a second session of the same plan, held back by a
+    gate so that the first requests surely decode before it exists."""
+    from fsd_eagle.session import Session
+
+    gen = generator(*parts)
+    graph_session = gen.session_for(gen.prepare(PROMPTS[0], 8, temperature=0, chat=False), 1)
+    graph_rounds = counted(graph_session)
+    gate, made = threading.Event(), []
+
+    def make(call, rows):
+        gate.wait(WAIT_S)
+        session = Session(gen.engine, gen.session_for(call, rows).plan)
+        made.append((session, counted(session)))
+        return session
+
+    s = Served(gen, max_batch=8, max_queue=16, compile=True, make_compiled=make)
+    try:
+        first = s.client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0, max_tokens=30)
+        assert first.choices[0].text == ref.generate(PROMPTS[1], 30, chat=False).text
+        assert graph_rounds[0] > 0 and not made and s.metric("fsd_eagle_compiled_sessions") == 0
+        stream = s.client.completions.create(model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=300,
+                                             stream=True)
+        pieces = [next(iter(stream)).choices[0].text]  # running on the graph session when the gate opens
+        gate.set()
+        deadline = time.monotonic() + WAIT_S
+        while s.metric("fsd_eagle_compiled_sessions") < 1:
+            assert time.monotonic() < deadline, "the compiled session was not handed over"
+            time.sleep(0.02)
+        (compiled, compiled_rounds), = made
+        assert compiled.batch == 1 and compiled_rounds[0] > 0  # warmed up before the handover
+        before_graph, before_compiled = graph_rounds[0], compiled_rounds[0]
+        later = s.client.completions.create(model=MODEL, prompt=PROMPTS[3], temperature=0, max_tokens=30)
+        assert later.choices[0].text == ref.generate(PROMPTS[3], 30, chat=False).text
+        assert compiled_rounds[0] > before_compiled
+        pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]
+        assert "".join(pieces) == ref.generate(PROMPTS[2], 300, chat=False).text
+        again = s.client.completions.create(model=MODEL, prompt=PROMPTS[4], temperature=0, max_tokens=20)
+        assert again.choices[0].text == ref.generate(PROMPTS[4], 20, chat=False).text
+        after = graph_rounds[0]
+        s.client.completions.create(model=MODEL, prompt=PROMPTS[5], temperature=0, max_tokens=20)
+        assert graph_rounds[0] == after >= before_graph  # the graph session took nothing new
+        assert s.metric("fsd_eagle_compile_seconds_total") > 0
+    finally:
+        gate.set()
+        s.close()
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_row(parts, ref):
     s = Served(generator(*parts), max_batch=1, max_queue=8)
     try:
@@ -495,13 +558,20 @@ def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_pa
     root = save_target_and_head(tmp_path, head_seed=1)
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, "-m", "eval", "serve", "--concurrency", "1,2", "--rate", "8", "--requests",
-                           "4", "--max-tokens", "8", "--max-model-len", "256", "--mixed-fsd", "2", "--serve-args",
+                           "4", "--max-tokens", "8", "--max-model-len", "256", "--mixed-fsd", "2", "--startup", "2",
+                           "--startup-tokens", "4", "--serve-args",
                            f"--target {root / 'target'} --head {root / 'head'} --device cpu", "--out", str(out)],
                           capture_output=True, text=True, timeout=WAIT_S * 4,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert {"date", "code", "command", "device", "versions", "start_s", "rows", "ratios"} <= set(result)
+    assert {"date", "code", "command", "device", "versions", "start_s", "rows", "ratios", "startup"} <= set(result)
+    for attempt in ("first", "restart"):  # off a GPU rounds run eagerly: the first wave is the level's answer
+        entry = result["startup"][attempt]
+        assert 0 < entry["health_s"] <= entry["first_answer_s"]
+        level = entry["levels"]["2"]
+        assert level["waves_before"] == 0 and level["first_wave"]["modes"] == {"eager": 2}
+        assert level["compiled_at_s"] >= entry["first_answer_s"] and level["compiled_tokens_per_s"] > 0
     rows = {(r["server"], r["load"], r.get("concurrency", r.get("rate"))): r for r in result["rows"]}
     assert set(rows) == {(s, load, level) for s in ("speculative", "plain")
                          for load, level in (("closed", 1), ("closed", 2), ("poisson", 8.0))}

@@ -35,11 +35,12 @@ ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"m
 
 
 def build_app(gen: SpeculativeGenerator, settings: Settings, max_batch: int = 8, max_queue: int = 256,
-              api_key: str | None = None, on_ready=None) -> FastAPI:
+              api_key: str | None = None, on_ready=None, compile: bool = False, make_compiled=None) -> FastAPI:
     """The application serving ``gen``: its engine thread starts with the app (lifespan) and stops with it;
-    ``on_ready()`` is called once it can answer."""
+    ``on_ready()`` is called once it can answer. ``compile`` (and ``make_compiled``): serve on graph rounds
+    while compiled ones are made beside them (``EngineLoop``)."""
     metrics = Metrics()
-    engine = EngineLoop(gen, max_batch, max_queue, settings.context, metrics)
+    engine = EngineLoop(gen, max_batch, max_queue, settings.context, metrics, compile, make_compiled)
     serving = Serving(gen, engine, settings)
     created = now()
 
@@ -151,16 +152,17 @@ def check_address(host: str, port: int) -> None:
 
 def serve(gen: SpeculativeGenerator, settings: Settings, host: str = "127.0.0.1", port: int = 8000,
           max_batch: int = 8, max_queue: int = 256, api_key: str | None = None, drain_timeout: float = 30.0,
-          quiet: bool = False) -> int:
+          quiet: bool = False, compile: bool = False) -> int:
     """Serve ``gen`` over HTTP until SIGTERM or Ctrl-C; returns 0 after a SIGTERM's drain."""
     import uvicorn
 
     def ready() -> None:
         if not quiet:
             print(f"fsd-eagle: serving {settings.model_name} on http://{host}:{port} (OpenAI API under /v1; "
-                  f"{max_batch} rows per rule form, context {settings.context} tokens)", file=sys.stderr, flush=True)
+                  f"{max_batch} rows per rule form, context {settings.context} tokens"
+                  f"{'; compiling rounds in the background' if compile else ''})", file=sys.stderr, flush=True)
 
-    app = build_app(gen, settings, max_batch, max_queue, api_key, on_ready=ready)
+    app = build_app(gen, settings, max_batch, max_queue, api_key, on_ready=ready, compile=compile)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=max(1, round(drain_timeout)), lifespan="on")
     # uvicorn re-raises the signal that stopped it once it has drained: for SIGTERM that must not kill the

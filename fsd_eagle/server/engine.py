@@ -11,6 +11,10 @@ decodes on a one-row session with the batch-1 tree, 32 clients on a 32-row sessi
 one drains; an idle lane closes. Lanes take rounds in turn, so no form waits for another to drain. Each
 request decodes what ``SpeculativeGenerator.generate`` decodes for it alone.
 
+With ``compile`` (GPU servers), lanes open on graph sessions and a ``Compiler`` thread makes the compiled
+session of each configuration met (fsd_eagle.server.compiler); once one is handed over, new requests of
+that configuration open a lane on it and the graph lane takes no more requests and drains.
+
 The event loop talks to the thread through a queue of commands (submit, cancel, stop); the thread answers
 each job through its ``emit`` callback (thread-safe: ``loop.call_soon_threadsafe``), with text pieces
 (``Piece``), the final result (``Done``) or a one-line failure (``Failed``).
@@ -28,7 +32,8 @@ from typing import Callable, Iterator
 from ..api import GenerationResult, PreparedCall, SpeculativeGenerator, TextOutput
 from ..errors import FSDError, out_of_memory_line
 from ..schedule import ROUND_END, Request, Scheduler
-from ..session import Session
+from ..session import Session, session_rows
+from .compiler import Compiler
 from .metrics import Metrics
 
 
@@ -73,10 +78,16 @@ class _Lane:
     steps: Iterator
     jobs: dict[int, tuple[Job, TextOutput]] = field(default_factory=dict)
     failed: bool = False  # a round raised: the lane takes nothing more and closes
+    draining: bool = False  # a compiled session of its configuration took over: it takes no more requests
 
     @property
     def open(self) -> bool:
         return not self.failed and not self.scheduler.idle
+
+    @property
+    def taking(self) -> bool:
+        """Whether new requests may join it."""
+        return not self.failed and not self.draining
 
     @property
     def free(self) -> int:
@@ -89,6 +100,11 @@ def form_of(call: PreparedCall) -> tuple:
     return call.autoregressive, call.rule.form
 
 
+def key_of(call: PreparedCall, rows: int) -> tuple:
+    """The configuration a session serves: the form of ``call`` on the batch bucket of ``rows``."""
+    return form_of(call), session_rows(rows)
+
+
 class QueueFull(FSDError):
     """More requests wait than the server's ``max_queue``."""
 
@@ -96,14 +112,21 @@ class QueueFull(FSDError):
 class EngineLoop:
     """Runs ``gen``'s sessions on one thread for the server: ``submit`` jobs from any thread (the event
     loop's), ``cancel`` them, ``close`` at shutdown. ``max_batch`` rows per rule form decode together;
-    at most ``max_queue`` jobs wait for a row; caches hold ``context`` tokens per row."""
+    at most ``max_queue`` jobs wait for a row; caches hold ``context`` tokens per row. ``compile``: make
+    compiled sessions on a thread beside the decoding one and move to them as they are ready (only where
+    rounds are captured, on a GPU: elsewhere a compiled session is the graph one); ``make_compiled(call,
+    rows)``: how that thread makes a configuration's session (default: the generator's compiled one)."""
 
     def __init__(self, gen: SpeculativeGenerator, max_batch: int, max_queue: int, context: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, compile: bool = False,
+                 make_compiled: Callable[[PreparedCall, int], Session] | None = None) -> None:
         self.gen, self.max_batch, self.max_queue, self.context = gen, max_batch, max_queue, context
         self.metrics = metrics
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.lanes: list[_Lane] = []
+        self.compiled: dict[tuple, Session] = {}  # configurations (key_of) whose compiled session took over
+        captured = gen.cuda_graphs and gen.target.device.type == "cuda"
+        self.compiler = Compiler(gen, self._handover, make_compiled) if compile and (captured or make_compiled) else None
         self.waiting = 0  # jobs submitted and not yet started (read by submit's caller for 429)
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="fsd-eagle-engine", daemon=True)
@@ -114,6 +137,8 @@ class EngineLoop:
 
     def start(self) -> None:
         self.thread.start()
+        if self.compiler is not None:
+            self.compiler.start()
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue ``jobs`` (the choices of one request, together): QueueFull when ``max_queue`` would be
@@ -132,6 +157,8 @@ class EngineLoop:
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread; jobs still running fail."""
         self.commands.put(("stop", None))
+        if self.compiler is not None:
+            self.compiler.close()
         self.thread.join(timeout)
 
     # ------------------------------------------------------------------ the engine thread
@@ -166,7 +193,9 @@ class EngineLoop:
                 break
             if kind == "stop":
                 return False
-            if kind == "cancel":
+            if kind == "compiled":
+                self._take_compiled(*jobs)
+            elif kind == "cancel":
                 for job in jobs:
                     if job in arrived:
                         arrived.remove(job)
@@ -186,14 +215,15 @@ class EngineLoop:
 
     def _place(self, form: tuple, jobs: list[Job]) -> None:
         """Give each of ``jobs`` (one form) a lane: the largest one of its form with a free row, else a new
-        lane sized for every request of the form (these and those in lanes), or the full one of that size."""
+        lane sized for every request of the form (these and those in lanes that take more; a draining lane's
+        rows end with their requests), or the full one of that size."""
         for at, job in enumerate(jobs):
             try:
-                mine = [lane for lane in self.lanes if lane.form == form and not lane.failed]
+                mine = [lane for lane in self.lanes if lane.form == form and lane.taking]  # draining ones not
                 lane = max((lane for lane in mine if lane.free > 0), key=lambda lane: lane.scheduler.rows, default=None)
                 if lane is None:
                     demand = len(jobs) - at + sum(lane.scheduler.rows - lane.free for lane in mine)
-                    session = self.gen.session_for(job.call, min(self.max_batch, demand))
+                    session = self._session_for(job.call, min(self.max_batch, demand))
                     lane = next((lane for lane in mine if lane.session is session), None) or self._open(form, session)
                 c = job.call  # its prompt ids come on the CPU (made by the event loop's thread): moved here
                 prompt = c.prompt_ids.to(self.gen.target.device)
@@ -203,6 +233,29 @@ class EngineLoop:
                 self._started(1)
                 self.metrics.requests.labels(status="error").inc()
                 job.emit(Failed(_one_line(e)))
+
+    def _session_for(self, call: PreparedCall, rows: int) -> Session:
+        """The session a new lane of ``call``'s form on ``rows`` rows opens on: the generator's, or with
+        ``compile`` the compiled one once handed over, else the graph one (asking for the compiled one)."""
+        if self.compiler is None:
+            return self.gen.session_for(call, rows)
+        key = key_of(call, rows)
+        if key in self.compiled:
+            return self.compiled[key]
+        self.compiler.ask(key, call, rows)
+        return self.gen.session_for(call, rows, compiled=False)
+
+    def _handover(self, key: tuple, session: Session, seconds: float) -> None:
+        """Called on the compiler's thread: pass the compiled ``session`` of ``key`` to the engine thread."""
+        self.commands.put(("compiled", (key, session, seconds)))
+
+    def _take_compiled(self, key: tuple, session: Session, seconds: float) -> None:
+        self.compiled[key] = session
+        self.metrics.compiled_sessions.set(len(self.compiled))
+        self.metrics.compile_seconds.inc(seconds)
+        for lane in self.lanes:
+            if key_of_lane(lane) == key and lane.session is not session:
+                lane.draining = True
 
     def _open(self, form: tuple, session: Session) -> _Lane:
         rows = min(self.max_batch, session.batch)
@@ -270,6 +323,10 @@ class EngineLoop:
                 del lane.jobs[index]
                 self.metrics.count_result(len(job.call.prompt_ids), item)
                 job.emit(Done(item))
+
+
+def key_of_lane(lane: _Lane) -> tuple:
+    return lane.form, lane.session.batch
 
 
 def _one_line(error: BaseException) -> str:

@@ -39,6 +39,11 @@ class Metrics:
         self.inter_token_latency = Histogram("fsd_eagle_inter_token_latency_seconds",
                                              "Time between a request's tokens (a round's tokens share its time)",
                                              buckets=LATENCY_BUCKETS, registry=r)
+        self.compiled_sessions = Gauge("fsd_eagle_compiled_sessions",
+                                       "Configurations (rule form, batch bucket) decoding on compiled rounds",
+                                       registry=r)
+        self.compile_seconds = Counter("fsd_eagle_compile_seconds",
+                                       "Time spent making compiled sessions beside serving", registry=r)
         self._peak = 0
 
     def count_result(self, prompt_tokens: int, result: GenerationResult) -> None:

@@ -123,12 +123,14 @@ class CompletionRequest(SamplingFields):
 
 
 class SpeculationUsage(BaseModel):
-    """How the request decoded: tau (new tokens per target forward), target forwards, and tokens accepted
-    by the fuzzy test alone (0 with the exact rule)."""
+    """How the request decoded: tau (new tokens per target forward), target forwards, tokens accepted by
+    the fuzzy test alone (0 with the exact rule), and how its rounds ran ("compiled", "graph" or "eager";
+    a request decodes in one mode from its start to its end)."""
 
     tau: float
     target_forwards: int
     fuzzy_accepted: int
+    mode: str
 
 
 class Usage(BaseModel):

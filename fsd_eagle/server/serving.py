@@ -155,7 +155,8 @@ def usage(prompt_len: int, results: list[GenerationResult]) -> dict:
     return {"prompt_tokens": prompt_len * len(results), "completion_tokens": completion,
             "total_tokens": prompt_len * len(results) + completion,
             "speculation": {"tau": round(completion / forwards, 4) if forwards else 0.0, "target_forwards": forwards,
-                            "fuzzy_accepted": sum(r.stats.fuzzy_accepted for r in results)}}
+                            "fuzzy_accepted": sum(r.stats.fuzzy_accepted for r in results),
+                            "mode": "/".join(sorted({r.stats.mode for r in results}))}}
 
 
 def sse(obj) -> str:
