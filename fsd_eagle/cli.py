@@ -162,8 +162,13 @@ def run_serve(args: argparse.Namespace) -> int:
     cap = limit if gen.target.device.type == "cuda" else min(limit, CPU_CONTEXT)
     context = min(args.max_model_len or cap, limit)
     name = args.served_model_name or model_name(gen.engine.model.config) or "fsd-eagle"
+    options = None  # what loads the same generator in the process that compiles beside the server
+    if background:
+        options = {"target": args.target, "head": args.head, "draft_model": args.draft_model,
+                   "device": str(gen.target.device), "dtype": str(gen.target.dtype).removeprefix("torch."),
+                   "threads": args.threads, "attention": args.attention}
     return serve(gen, Settings(name, context), args.host, args.port, args.max_batch, args.max_queue, args.api_key,
-                 args.drain_timeout, args.quiet, compile=background)
+                 args.drain_timeout, args.quiet, compile_options=options)
 
 
 def run_generate(args: argparse.Namespace) -> int:

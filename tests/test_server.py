@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -366,24 +367,25 @@ def counted(session):
 
 
 def test_compiled_sessions_take_over_new_requests_while_running_ones_finish_as_they_began(parts, ref):
-    """With ``compile``, requests decode on graph sessions until the compiler thread hands over the
-    configuration's compiled session; later requests decode on it, each equal to generate's. On the CPU
-    nothing compiles: the compiler is given a maker of a second session of the same plan, held back by a
-    gate so that the first requests surely decode before it exists."""
+    """With ``compile``, requests decode on graph sessions until the configuration's compile cache is warm
+    and the engine has made its compiled session; later requests decode on it, each equal to generate's.
+    On the CPU nothing compiles: the cache is "warmed" by a function held back by a gate (so that the first
+    requests surely decode before), and the compiled session is a second session of the same plan."""
     from fsd_eagle.session import Session
 
     gen = generator(*parts)
     graph_session = gen.session_for(gen.prepare(PROMPTS[0], 8, temperature=0, chat=False), 1)
     graph_rounds = counted(graph_session)
-    gate, made = threading.Event(), []
+    gate, made, engine_thread = threading.Event(), [], []
 
     def make(call, rows):
-        gate.wait(WAIT_S)
+        engine_thread.append(threading.current_thread().name)
         session = Session(gen.engine, gen.session_for(call, rows).plan)
         made.append((session, counted(session)))
         return session
 
-    s = Served(gen, max_batch=8, max_queue=16, compile=True, make_compiled=make)
+    s = Served(gen, max_batch=8, max_queue=16, compile=True, warm_cache=lambda call, rows: gate.wait(WAIT_S),
+               make_compiled=make)
     try:
         first = s.client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0, max_tokens=30)
         assert first.choices[0].text == ref.generate(PROMPTS[1], 30, chat=False).text
@@ -397,7 +399,7 @@ def test_compiled_sessions_take_over_new_requests_while_running_ones_finish_as_t
             assert time.monotonic() < deadline, "the compiled session was not handed over"
             time.sleep(0.02)
         (compiled, compiled_rounds), = made
-        assert compiled.batch == 1 and compiled_rounds[0] > 0  # warmed up before the handover
+        assert compiled.batch == 1 and engine_thread == ["fsd-eagle-engine"]  # made between the engine's rounds
         before_graph, before_compiled = graph_rounds[0], compiled_rounds[0]
         later = s.client.completions.create(model=MODEL, prompt=PROMPTS[3], temperature=0, max_tokens=30)
         assert later.choices[0].text == ref.generate(PROMPTS[3], 30, chat=False).text
@@ -584,3 +586,49 @@ def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_pa
     mixed = result["mixed_fsd"]  # half the requests fuzzy, half exact, in one server at once
     assert mixed["concurrency"] == 2 and set(mixed["groups"]) == {"exact", "fsd"}
     assert all(g["errors"] == 0 and g["requests"] == 2 and g["tau_mean"] >= 1 for g in mixed["groups"].values())
+
+
+def test_the_compiling_process_fills_the_cache_for_each_configuration_once(tmp_path):
+    """The worker process (``python -m fsd_eagle.server.compiler``) loads the model its options name, makes
+    each configuration asked once and answers; on the CPU its "compiled" session is the plain one, so this
+    checks the process and its protocol, not torch.compile (GPU: eval/serve.py --startup)."""
+    from fsd_eagle.server.compiler import Compiler
+
+    model, tokenizer = make_llama(seed=0), make_tokenizer()
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    gen = SpeculativeGenerator(model, tokenizer, tree=TREE)
+    ready = queue.Queue()
+    options = {"target": str(tmp_path / "target"), "device": "cpu", "dtype": "float32", "threads": 1}
+    compiler = Compiler(lambda *answer: ready.put(answer), options)
+    compiler.start()
+    try:
+        call = gen.prepare(PROMPTS[0], 8, temperature=0, chat=False)
+        key = ("greedy", 1)
+        compiler.ask(key, call, 1)
+        compiler.ask(key, call, 1)  # asked twice: made once
+        got_key, got_call, rows, seconds = ready.get(timeout=WAIT_S)
+        assert got_key == key and got_call is call and rows == 1 and seconds > 0
+        with pytest.raises(queue.Empty):
+            ready.get(timeout=1)
+    finally:
+        compiler.close()
+
+
+def test_a_compiling_process_that_cannot_start_leaves_the_server_on_graph_rounds(tmp_path, capfd):
+    from fsd_eagle.server.compiler import Compiler
+
+    ready = queue.Queue()
+    compiler = Compiler(lambda *answer: ready.put(answer), {"target": str(tmp_path / "missing"), "device": "cpu"})
+    compiler.start()
+    try:
+        compiler.worker.wait(WAIT_S)
+        gen = SpeculativeGenerator(make_llama(seed=0), make_tokenizer(), tree=TREE)
+        compiler.ask(("greedy", 1), gen.prepare(PROMPTS[0], 8, temperature=0, chat=False), 1)  # no exception
+        deadline = time.monotonic() + WAIT_S
+        while "the compiling process ended" not in capfd.readouterr().err.replace("\n", " "):
+            assert time.monotonic() < deadline, "the worker's end was not reported"
+            time.sleep(0.1)
+        assert ready.empty() and compiler.worker.returncode != 0
+    finally:
+        compiler.close()

@@ -35,12 +35,14 @@ ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"m
 
 
 def build_app(gen: SpeculativeGenerator, settings: Settings, max_batch: int = 8, max_queue: int = 256,
-              api_key: str | None = None, on_ready=None, compile: bool = False, make_compiled=None) -> FastAPI:
+              api_key: str | None = None, on_ready=None, compile: bool = False, compile_options: dict | None = None,
+              warm_cache=None, make_compiled=None) -> FastAPI:
     """The application serving ``gen``: its engine thread starts with the app (lifespan) and stops with it;
-    ``on_ready()`` is called once it can answer. ``compile`` (and ``make_compiled``): serve on graph rounds
-    while compiled ones are made beside them (``EngineLoop``)."""
+    ``on_ready()`` is called once it can answer. ``compile`` (with ``compile_options``, or ``warm_cache`` and
+    ``make_compiled``): serve on graph rounds while compiled ones are made in another process (``EngineLoop``)."""
     metrics = Metrics()
-    engine = EngineLoop(gen, max_batch, max_queue, settings.context, metrics, compile, make_compiled)
+    engine = EngineLoop(gen, max_batch, max_queue, settings.context, metrics, compile, compile_options, warm_cache,
+                        make_compiled)
     serving = Serving(gen, engine, settings)
     created = now()
 
@@ -152,8 +154,11 @@ def check_address(host: str, port: int) -> None:
 
 def serve(gen: SpeculativeGenerator, settings: Settings, host: str = "127.0.0.1", port: int = 8000,
           max_batch: int = 8, max_queue: int = 256, api_key: str | None = None, drain_timeout: float = 30.0,
-          quiet: bool = False, compile: bool = False) -> int:
-    """Serve ``gen`` over HTTP until SIGTERM or Ctrl-C; returns 0 after a SIGTERM's drain."""
+          quiet: bool = False, compile_options: dict | None = None) -> int:
+    """Serve ``gen`` over HTTP until SIGTERM or Ctrl-C; returns 0 after a SIGTERM's drain. ``compile_options``
+    (``SpeculativeGenerator.load``'s arguments that made ``gen``, and ``attention``): answer on graph rounds
+    and move to compiled ones as a worker process loaded with them gets each configuration's kernels ready."""
+    compile = compile_options is not None
     import uvicorn
 
     def ready() -> None:
@@ -162,7 +167,8 @@ def serve(gen: SpeculativeGenerator, settings: Settings, host: str = "127.0.0.1"
                   f"{max_batch} rows per rule form, context {settings.context} tokens"
                   f"{'; compiling rounds in the background' if compile else ''})", file=sys.stderr, flush=True)
 
-    app = build_app(gen, settings, max_batch, max_queue, api_key, on_ready=ready, compile=compile)
+    app = build_app(gen, settings, max_batch, max_queue, api_key, on_ready=ready, compile=compile,
+                    compile_options=compile_options)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=max(1, round(drain_timeout)), lifespan="on")
     # uvicorn re-raises the signal that stopped it once it has drained: for SIGTERM that must not kill the

@@ -1,34 +1,48 @@
-"""Compiled rounds made beside serving: the server answers on CUDA-graph rounds from the start, while this
-thread compiles and captures the session of each configuration it meets, then hands it to the engine.
+"""Compiled rounds for a server that answers from its start: the slow compilation runs in another process.
 
-A configuration is a rule form and a batch bucket (``Key``): what a session's code depends on. The first
-time a lane of one opens, the engine asks for it (``ask``); this thread takes the generator's compiled
-session for it (``SpeculativeGenerator.session_for(..., compiled=True)``), runs one short decode on it
-with every row busy (``warm``: that compiles the prefill and the round with torch.compile and captures
-both as CUDA graphs, minutes on a cold compile cache, seconds on a warm one) and hands it over
-(``handover(key, session, seconds)``). The engine then opens new lanes of that configuration on the
-compiled session and lets the graph lane drain: each request decodes in one mode from its start to its
-end. A round that inductor cannot compile falls back inside the session (to graph rounds, as ``Session``
-does); a warm-up that raises leaves the configuration on its graph session, with one line on stderr.
+A configuration is a rule form and a batch bucket (``Key``): what a session's code depends on. The server
+answers on CUDA-graph rounds from the start. The first time a lane of a configuration opens, the engine
+asks for it (``Compiler.ask``); a **worker process** (``python -m fsd_eagle.server.compiler``), loaded with
+the same model, compiles that configuration's session and runs one short decode on it (``warm``: the
+prefill and the round compiled with torch.compile and captured), minutes on a cold compile cache. Its
+kernels land in the compile cache folder the server shares with it (``TORCHINDUCTOR_CACHE_DIR``, inherited).
+Once it answers, the engine thread makes the same session in the server's process between two rounds,
+now from a warm cache (dynamo traces, every kernel is a cache hit, graphs are captured: seconds, during
+which the running rounds wait), and new requests of that configuration decode on it while the graph lane
+drains: each request decodes in one mode from its start to its end.
 
-CUDA graphs are captured in thread-local mode (``decode.capture``), so the engine thread replays and
-syncs its own graphs while this thread captures.
+Why another process and not a thread: torch.compile and CUDA graph capture are not safe beside a thread
+that decodes. Dynamo and FX keep process-wide state (a FlexAttention call on the decoding thread fails
+while the other one traces), inductor's autotuning synchronises the device, and a capture on one thread is
+broken by work the other one starts (measured on an H200: "operation not permitted when stream is
+capturing", a memory pool "already recording", and compiled rounds that then ran at a few tokens/s).
+
+A worker that fails for one configuration leaves it on graph rounds, with one line on stderr; one that
+ends leaves every configuration not yet compiled on graph rounds.
 """
 
 from __future__ import annotations
 
-import queue
+import base64
+import io
+import json
+import os
+import subprocess
 import sys
 import threading
 import time
 from typing import Callable
 
+import torch
+
 from ..api import PreparedCall, SpeculativeGenerator
 from ..decode import DecodeStats, failure
+from ..errors import FSDError
 from ..schedule import Request, Scheduler
 from ..session import Session
 
 Key = tuple  # (form_of(call), batch bucket)
+Ready = Callable[[Key, PreparedCall, int, float], None]  # (key, call, rows, seconds the cache took)
 WARM_PROMPT_TOKENS = 8  # of the asking request's prompt: a warm-up decode needs a prompt, not that one
 WARM_NEW_TOKENS = 24  # a prefill and a few rounds: every row runs a captured round at least once
 
@@ -42,39 +56,138 @@ def warm(session: Session, call: PreparedCall) -> None:
         pass
 
 
-class Compiler:
-    """The thread that makes compiled sessions, one configuration at a time, in the order asked."""
+def make_compiled(gen: SpeculativeGenerator, call: PreparedCall, rows: int) -> Session:
+    """The compiled session of ``call``'s configuration on ``rows`` rows, warmed up (compiled and captured)."""
+    session = gen.session_for(call, rows, compiled=True)
+    warm(session, call)
+    return session
 
-    def __init__(self, gen: SpeculativeGenerator, handover: Callable[[Key, Session, float], None],
-                 make: Callable[[PreparedCall, int], Session] | None = None) -> None:
-        """``handover(key, session, seconds)`` is called on this thread with each session made; ``make(call,
-        rows)`` makes the session of a configuration (default: the generator's compiled one)."""
-        self.gen, self.handover = gen, handover
-        self.make = make or (lambda call, rows: gen.session_for(call, rows, compiled=True))
+
+class Compiler:
+    """Gets the compile cache of each configuration asked for warm, once per configuration, in the order
+    asked, and calls ``ready(key, call, rows, seconds)`` (on a thread of its own) when it is. ``warm_cache(call,
+    rows)``: how (default: the worker process, loaded with ``options``, the keyword arguments of
+    ``SpeculativeGenerator.load`` plus ``attention``)."""
+
+    def __init__(self, ready: Ready, options: dict | None = None,
+                 warm_cache: Callable[[PreparedCall, int], None] | None = None) -> None:
+        if (options is None) == (warm_cache is None):
+            raise ValueError("give the worker's load options or a warm_cache function, one of them")
+        self.ready, self.options, self.warm_cache = ready, options, warm_cache
         self.asked: set[Key] = set()
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="fsd-eagle-compiler", daemon=True)
+        self.pending: dict[int, tuple[Key, PreparedCall, int, float]] = {}  # by job number, sent to the worker
+        self.worker: subprocess.Popen | None = None
+        self.closing = False
+        self._lock = threading.Lock()
 
     def start(self) -> None:
-        self.thread.start()
+        """Start the worker (it loads the model meanwhile, so the first configuration waits less)."""
+        if self.options is None:
+            return
+        command = [sys.executable, "-m", "fsd_eagle.server.compiler", json.dumps(self.options)]
+        self.worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        threading.Thread(target=self._read, name="fsd-eagle-compiler", daemon=True).start()
 
     def ask(self, key: Key, call: PreparedCall, rows: int) -> None:
-        """Make the compiled session of ``key`` (``call``'s form on ``rows`` rows), once per key."""
-        if key not in self.asked:
+        """Get ``key``'s cache warm (``call``'s form on ``rows`` rows), once per key."""
+        with self._lock:
+            if key in self.asked:
+                return
             self.asked.add(key)
-            self.jobs.put((key, call, rows))
+            job = len(self.asked)
+            self.pending[job] = (key, call, rows, time.perf_counter())
+        if self.warm_cache is not None:
+            threading.Thread(target=self._warm_here, args=(job,), daemon=True).start()
+            return
+        line = json.dumps({"job": job, "rows": rows, "call": pack(call)})
+        try:
+            self.worker.stdin.write(line + "\n")
+            self.worker.stdin.flush()
+        except (OSError, ValueError):  # the worker is gone (its end was reported by the reader)
+            pass
 
     def close(self) -> None:
-        self.jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            key, call, rows = job
-            start = time.perf_counter()
+        self.closing = True
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.terminate()
             try:
-                session = self.make(call, rows)
-                warm(session, call)
-            except Exception as e:  # the graph session keeps serving this configuration
-                print(f"fsd-eagle: compiled rounds for {rows} rows not used: {failure(e)}", file=sys.stderr)
-                continue
-            self.handover(key, session, time.perf_counter() - start)
+                self.worker.wait(10)
+            except subprocess.TimeoutExpired:
+                self.worker.kill()
+
+    def _warm_here(self, job: int) -> None:
+        with self._lock:
+            key, call, rows, start = self.pending.pop(job)
+        try:
+            self.warm_cache(call, rows)
+        except Exception as e:
+            print(f"fsd-eagle: compiled rounds for {rows} rows not used: {failure(e)}", file=sys.stderr)
+            return
+        self.ready(key, call, rows, time.perf_counter() - start)
+
+    def _read(self) -> None:
+        for line in self.worker.stdout:
+            try:
+                answer = json.loads(line)
+                with self._lock:
+                    key, call, rows, start = self.pending.pop(answer["job"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not an answer (nothing else should be written there)
+            if "error" in answer:
+                print(f"fsd-eagle: compiled rounds for {rows} rows not used: {answer['error']}", file=sys.stderr)
+            else:
+                self.ready(key, call, rows, time.perf_counter() - start)
+        code = self.worker.wait()
+        if not self.closing:
+            print(f"fsd-eagle: the compiling process ended (exit {code}); configurations not compiled yet stay on "
+                  "graph rounds", file=sys.stderr)
+
+
+def pack(call: PreparedCall) -> str:
+    """``call`` as one line of text for the worker (torch.save, base64), its tensors on the CPU."""
+    buffer = io.BytesIO()
+    torch.save(call, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def unpack(text: str) -> PreparedCall:
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The worker: load the generator ``argv[0]`` (JSON) describes, then for each job line on stdin make and
+    warm that configuration's compiled session, answering ``{"job", "seconds"}`` or ``{"job", "error"}`` on
+    stdout. Anything else the libraries print goes to stderr, so stdout carries answers only."""
+    options = json.loads((argv or sys.argv[1:])[0])
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # stderr is the server's: no loading bars from this process
+    hf_logging.disable_progress_bar()
+    attention = options.pop("attention", None)
+    try:
+        gen = SpeculativeGenerator.load(**options)
+        gen.use_attention(attention)
+    except FSDError as e:
+        print(f"fsd-eagle: the compiling process could not load the model: {e}", file=sys.stderr)
+        return 1
+    for line in sys.stdin:
+        job = json.loads(line)
+        start = time.perf_counter()
+        try:
+            call = unpack(job["call"])
+            call.prompt_ids = call.prompt_ids.to(gen.target.device)
+            make_compiled(gen, call, job["rows"])
+            gen.release()  # the server makes its own session: this process only fills the cache
+            answer = {"job": job["job"], "seconds": round(time.perf_counter() - start, 3)}
+        except Exception as e:
+            answer = {"job": job["job"], "error": failure(e)}
+        answers.write(json.dumps(answer) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,9 +11,10 @@ decodes on a one-row session with the batch-1 tree, 32 clients on a 32-row sessi
 one drains; an idle lane closes. Lanes take rounds in turn, so no form waits for another to drain. Each
 request decodes what ``SpeculativeGenerator.generate`` decodes for it alone.
 
-With ``compile`` (GPU servers), lanes open on graph sessions and a ``Compiler`` thread makes the compiled
-session of each configuration met (fsd_eagle.server.compiler); once one is handed over, new requests of
-that configuration open a lane on it and the graph lane takes no more requests and drains.
+With ``compile`` (GPU servers), lanes open on graph sessions and a ``Compiler`` gets the compile cache of
+each configuration met warm in another process (fsd_eagle.server.compiler); once it is, this thread makes
+the compiled session between two rounds (from the warm cache: seconds), new requests of that configuration
+open a lane on it and the graph lane takes no more requests and drains.
 
 The event loop talks to the thread through a queue of commands (submit, cancel, stop); the thread answers
 each job through its ``emit`` callback (thread-safe: ``loop.call_soon_threadsafe``), with text pieces
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ from ..api import GenerationResult, PreparedCall, SpeculativeGenerator, TextOutp
 from ..errors import FSDError, out_of_memory_line
 from ..schedule import ROUND_END, Request, Scheduler
 from ..session import Session, session_rows
-from .compiler import Compiler
+from .compiler import Compiler, make_compiled as compiled_session
 from .metrics import Metrics
 
 
@@ -112,21 +114,26 @@ class QueueFull(FSDError):
 class EngineLoop:
     """Runs ``gen``'s sessions on one thread for the server: ``submit`` jobs from any thread (the event
     loop's), ``cancel`` them, ``close`` at shutdown. ``max_batch`` rows per rule form decode together;
-    at most ``max_queue`` jobs wait for a row; caches hold ``context`` tokens per row. ``compile``: make
-    compiled sessions on a thread beside the decoding one and move to them as they are ready (only where
-    rounds are captured, on a GPU: elsewhere a compiled session is the graph one); ``make_compiled(call,
-    rows)``: how that thread makes a configuration's session (default: the generator's compiled one)."""
+    at most ``max_queue`` jobs wait for a row; caches hold ``context`` tokens per row. ``compile``: move
+    each configuration to compiled rounds once its compile cache is warm (only where rounds are captured,
+    on a GPU: elsewhere a compiled session is the graph one). How the cache gets warm: a worker process
+    loaded with ``compile_options`` (``SpeculativeGenerator.load``'s arguments and ``attention``), or
+    ``warm_cache(call, rows)`` on a thread of its own; ``make_compiled(call, rows)``: how this thread then
+    makes the configuration's session (default: the generator's compiled one, warmed up)."""
 
     def __init__(self, gen: SpeculativeGenerator, max_batch: int, max_queue: int, context: int,
-                 metrics: Metrics, compile: bool = False,
+                 metrics: Metrics, compile: bool = False, compile_options: dict | None = None,
+                 warm_cache: Callable[[PreparedCall, int], None] | None = None,
                  make_compiled: Callable[[PreparedCall, int], Session] | None = None) -> None:
         self.gen, self.max_batch, self.max_queue, self.context = gen, max_batch, max_queue, context
         self.metrics = metrics
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.lanes: list[_Lane] = []
         self.compiled: dict[tuple, Session] = {}  # configurations (key_of) whose compiled session took over
+        self.make_compiled = make_compiled or (lambda call, rows: compiled_session(gen, call, rows))
         captured = gen.cuda_graphs and gen.target.device.type == "cuda"
-        self.compiler = Compiler(gen, self._handover, make_compiled) if compile and (captured or make_compiled) else None
+        wanted = compile and (captured or warm_cache is not None)
+        self.compiler = Compiler(self._cache_ready, compile_options, warm_cache) if wanted else None
         self.waiting = 0  # jobs submitted and not yet started (read by submit's caller for 429)
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="fsd-eagle-engine", daemon=True)
@@ -193,8 +200,8 @@ class EngineLoop:
                 break
             if kind == "stop":
                 return False
-            if kind == "compiled":
-                self._take_compiled(*jobs)
+            if kind == "compile":
+                self._compile(*jobs)
             elif kind == "cancel":
                 for job in jobs:
                     if job in arrived:
@@ -245,14 +252,22 @@ class EngineLoop:
         self.compiler.ask(key, call, rows)
         return self.gen.session_for(call, rows, compiled=False)
 
-    def _handover(self, key: tuple, session: Session, seconds: float) -> None:
-        """Called on the compiler's thread: pass the compiled ``session`` of ``key`` to the engine thread."""
-        self.commands.put(("compiled", (key, session, seconds)))
+    def _cache_ready(self, key: tuple, call: PreparedCall, rows: int, seconds: float) -> None:
+        """Called on the compiler's thread: ``key``'s compile cache is warm (it took ``seconds``)."""
+        self.commands.put(("compile", (key, call, rows, seconds)))
 
-    def _take_compiled(self, key: tuple, session: Session, seconds: float) -> None:
+    def _compile(self, key: tuple, call: PreparedCall, rows: int, seconds: float) -> None:
+        """Make ``key``'s compiled session here, between rounds (the running lanes wait meanwhile), and let the
+        graph lanes of ``key`` drain; a failure leaves ``key`` on graph rounds, with one line on stderr."""
+        start = time.perf_counter()
+        try:
+            session = self.make_compiled(call, rows)
+        except Exception as e:
+            print(f"fsd-eagle: compiled rounds for {rows} rows not used: {_one_line(e)}", file=sys.stderr)
+            return
         self.compiled[key] = session
         self.metrics.compiled_sessions.set(len(self.compiled))
-        self.metrics.compile_seconds.inc(seconds)
+        self.metrics.compile_seconds.inc(seconds + time.perf_counter() - start)
         for lane in self.lanes:
             if key_of_lane(lane) == key and lane.session is not session:
                 lane.draining = True
