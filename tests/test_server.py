@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -600,7 +601,7 @@ def test_the_compiling_process_fills_the_cache_for_each_configuration_once(tmp_p
     gen = SpeculativeGenerator(model, tokenizer, tree=TREE)
     ready = queue.Queue()
     options = {"target": str(tmp_path / "target"), "device": "cpu", "dtype": "float32", "threads": 1}
-    compiler = Compiler(lambda *answer: ready.put(answer), options)
+    compiler = Compiler(lambda *answer: ready.put(answer), CONTEXT, options)
     compiler.start()
     try:
         call = gen.prepare(PROMPTS[0], 8, temperature=0, chat=False)
@@ -619,7 +620,7 @@ def test_a_compiling_process_that_cannot_start_leaves_the_server_on_graph_rounds
     from fsd_eagle.server.compiler import Compiler
 
     ready = queue.Queue()
-    compiler = Compiler(lambda *answer: ready.put(answer), {"target": str(tmp_path / "missing"), "device": "cpu"})
+    compiler = Compiler(lambda *answer: ready.put(answer), CONTEXT, {"target": str(tmp_path / "missing"), "device": "cpu"})
     compiler.start()
     try:
         compiler.worker.wait(WAIT_S)
@@ -632,3 +633,48 @@ def test_a_compiling_process_that_cannot_start_leaves_the_server_on_graph_rounds
         assert ready.empty() and compiler.worker.returncode != 0
     finally:
         compiler.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("rows, attention", [(1, "flex"), (4, "sdpa")])
+def test_a_warmed_compiled_session_compiles_nothing_more_for_its_lanes(rows, attention, monkeypatch):
+    """What the engine thread may compile is only what the warm-up did not (the worker filled the cache
+    for exactly that): after ``warm``, requests of a lane (its cache size) with prompts short and long,
+    alone and together, compile nothing new. Counted by dynamo per function, as a GPU session compiles."""
+    import types
+
+    from torch._dynamo.testing import CompileCounter
+
+    from conftest import gpu_session_on_the_cpu, make_session, tiny_model
+    from fsd_eagle.config import TreeConfig
+    from fsd_eagle.decode import DecodeStats, compiled_prefill, compiled_round
+    from fsd_eagle.schedule import ROUND_END, Request, Scheduler
+    from fsd_eagle.server.compiler import warm
+    from fsd_eagle.verify import AcceptanceRule
+    from test_engine import _engine
+
+    counters: dict = {}
+    gpu_session_on_the_cpu(monkeypatch, lambda fn: counters.setdefault(fn.__name__, CompileCounter()))
+    compiled_round.cache_clear()
+    torch._dynamo.reset()
+    try:
+        session = make_session(tree=TreeConfig(total_tokens=12, depth=4, top_k=3),
+                               engine=_engine("eagle", tiny_model("llama")), graphs=True, compile=True, batch=rows)
+        session.use_graph, session.compile, session.attention = True, True, attention  # a GPU session's
+        context = 1024
+        warm(session, types.SimpleNamespace(prompt_ids=torch.arange(3, 23), rule=AcceptanceRule()), context)
+        after_warm = {name: c.frame_count for name, c in counters.items()}
+        assert after_warm.get("prefill") and after_warm.get("run_round"), after_warm
+        scheduler = Scheduler(session, [], rows, open_ended=True, max_len=Scheduler.cache_for(session, context))
+        steps = scheduler.run()
+        for wave in ([5], [600], [40, 9, 300], [900, 7]):
+            for n in wave:
+                scheduler.submit(Request(torch.randint(0, 100, (n,)), 12, AcceptanceRule(), 1, DecodeStats()))
+            for item in steps:
+                if item is ROUND_END and scheduler.idle:
+                    break
+            assert {name: c.frame_count for name, c in counters.items()} == after_warm, wave
+    finally:
+        compiled_prefill.cache_clear()  # later tests compile with inductor again
+        compiled_round.cache_clear()
+        torch._dynamo.reset()

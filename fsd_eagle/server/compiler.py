@@ -38,28 +38,45 @@ import torch
 from ..api import PreparedCall, SpeculativeGenerator
 from ..decode import DecodeStats, failure
 from ..errors import FSDError
-from ..schedule import Request, Scheduler
+from ..attention import PACK_ROWS
+from ..schedule import ROUND_END, Request, Scheduler
 from ..session import Session
 
 Key = tuple  # (form_of(call), batch bucket)
 Ready = Callable[[Key, PreparedCall, int, float], None]  # (key, call, rows, seconds the cache took)
-WARM_PROMPT_TOKENS = 8  # of the asking request's prompt: a warm-up decode needs a prompt, not that one
 WARM_NEW_TOKENS = 24  # a prefill and a few rounds: every row runs a captured round at least once
 
 
-def warm(session: Session, call: PreparedCall) -> None:
-    """Decode a few tokens on every row of ``session`` under ``call``'s rule (the start of ``call``'s prompt,
-    seed 0): the session compiles and captures what its later calls replay."""
-    prompt = call.prompt_ids[:WARM_PROMPT_TOKENS].to(session.target.device)
-    requests = [Request(prompt, WARM_NEW_TOKENS, call.rule, 0, DecodeStats()) for _ in range(session.batch)]
-    for _ in Scheduler(session, requests, session.batch).run():
-        pass
+def warm(session: Session, call: PreparedCall, context: int) -> None:
+    """Decode as the server's lanes do, so that the session compiles and captures what they later replay:
+    an open-ended scheduler with the lane's caches (``context`` tokens per row: compiled code is specialised
+    to the cache size), in waves that reach each form of prefill a lane meets: a short prompt on every row
+    twice (where dynamo drops a mutation made after FlexAttention, the first FlexAttention round leaves a
+    flag set that later prefills guard on, so the second one compiles again: docs/benchmarks.md), then on
+    one row (a one-row prefill compiles apart from batched ones), then a prompt longer than
+    ``attention.PACK_ROWS`` query rows per key/value head (prefill masks take another form there) on every
+    row and on one; all cut from ``call``'s prompt (repeated as needed), under its rule, seed 0."""
+    scheduler = Scheduler(session, [], session.batch, open_ended=True, max_len=Scheduler.cache_for(session, context))
+    steps = scheduler.run()
+    long = min(PACK_ROWS + 1, context - WARM_NEW_TOKENS)
+    rows = session.batch
+    waves = [(8, rows), (8, rows), (8, 1), (long, rows), (long, 1)] if rows > 1 else [(8, 1), (8, 1), (long, 1)]
+    for length, count in waves:
+        prompt = call.prompt_ids.to(session.target.device).repeat(-(-length // len(call.prompt_ids)))[:length]
+        if not scheduler.fits(len(prompt), WARM_NEW_TOKENS):
+            continue
+        for _ in range(count):
+            scheduler.submit(Request(prompt, WARM_NEW_TOKENS, call.rule, 0, DecodeStats()))
+        for item in steps:
+            if item is ROUND_END and scheduler.idle:
+                break
 
 
-def make_compiled(gen: SpeculativeGenerator, call: PreparedCall, rows: int) -> Session:
-    """The compiled session of ``call``'s configuration on ``rows`` rows, warmed up (compiled and captured)."""
+def make_compiled(gen: SpeculativeGenerator, call: PreparedCall, rows: int, context: int) -> Session:
+    """The compiled session of ``call``'s configuration on ``rows`` rows, warmed up for lanes of ``context``
+    tokens per row (compiled and captured)."""
     session = gen.session_for(call, rows, compiled=True)
-    warm(session, call)
+    warm(session, call, context)
     return session
 
 
@@ -69,11 +86,11 @@ class Compiler:
     rows)``: how (default: the worker process, loaded with ``options``, the keyword arguments of
     ``SpeculativeGenerator.load`` plus ``attention``)."""
 
-    def __init__(self, ready: Ready, options: dict | None = None,
+    def __init__(self, ready: Ready, context: int, options: dict | None = None,
                  warm_cache: Callable[[PreparedCall, int], None] | None = None) -> None:
         if (options is None) == (warm_cache is None):
             raise ValueError("give the worker's load options or a warm_cache function, one of them")
-        self.ready, self.options, self.warm_cache = ready, options, warm_cache
+        self.ready, self.context, self.options, self.warm_cache = ready, context, options, warm_cache
         self.asked: set[Key] = set()
         self.pending: dict[int, tuple[Key, PreparedCall, int, float]] = {}  # by job number, sent to the worker
         self.worker: subprocess.Popen | None = None
@@ -100,7 +117,7 @@ class Compiler:
         if self.warm_cache is not None:
             threading.Thread(target=self._warm_here, args=(job,), daemon=True).start()
             return
-        line = json.dumps({"job": job, "rows": rows, "call": pack(call)})
+        line = json.dumps({"job": job, "rows": rows, "context": self.context, "call": pack(call)})
         try:
             self.worker.stdin.write(line + "\n")
             self.worker.stdin.flush()
@@ -180,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             call = unpack(job["call"])
             call.prompt_ids = call.prompt_ids.to(gen.target.device)
-            make_compiled(gen, call, job["rows"])
+            make_compiled(gen, call, job["rows"], job["context"])
             gen.release()  # the server makes its own session: this process only fills the cache
             answer = {"job": job["job"], "seconds": round(time.perf_counter() - start, 3)}
         except Exception as e:

@@ -130,10 +130,10 @@ class EngineLoop:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.lanes: list[_Lane] = []
         self.compiled: dict[tuple, Session] = {}  # configurations (key_of) whose compiled session took over
-        self.make_compiled = make_compiled or (lambda call, rows: compiled_session(gen, call, rows))
+        self.make_compiled = make_compiled or (lambda call, rows: compiled_session(gen, call, rows, context))
         captured = gen.cuda_graphs and gen.target.device.type == "cuda"
         wanted = compile and (captured or warm_cache is not None)
-        self.compiler = Compiler(self._cache_ready, compile_options, warm_cache) if wanted else None
+        self.compiler = Compiler(self._cache_ready, context, compile_options, warm_cache) if wanted else None
         self.waiting = 0  # jobs submitted and not yet started (read by submit's caller for 429)
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="fsd-eagle-engine", daemon=True)
