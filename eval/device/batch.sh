@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The batched-throughput benchmark (python -m eval batch) on a GPU host without network access, where each
-# command runs at most 600 s and brings one piece of the model bundle (see docs/gpu-host.md). Run the same
+# command's time is limited and brings one piece of the model bundle (see docs/gpu-host.md). Run the same
 # command line every time:
 #   PARTS=3 SHA=<sha256 of the tar> CODE=<local commit> bash eval/device/batch.sh [batch options]
 # Each command moves its piece into place (eval/device/assemble.sh); once the model is installed, the first

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Bring folders of a GPU host back in pieces, where each command may return at most 8 files of 16 MiB and 64
-# MiB in all (docs/gpu-host.md). Run the same line until it prints "all pieces sent":
+# Bring folders of a GPU host back in pieces, where what a command may return is limited in
+# size (docs/gpu-host.md). Run the same line until it prints "all pieces sent":
 #   NAME=target FROM=/root/repro PATHS="finetune/model" bash eval/device/bring_back.sh
 # The first command packs PATHS (relative to FROM) into one tar, records its sha256 and splits it into 16 MiB
 # pieces (PIECE) under $FROM/back/$NAME; every command copies the next PER_CALL pieces (default 3: with the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Draft heads end to end on a GPU host without network access, where each command runs at most 600 s and
+# Draft heads end to end on a GPU host without network access, where each command's time is limited and
 # brings one piece of a model bundle (docs/gpu-host.md). Run the same command line every time:
 #   PARTS=<pieces> SHA=<sha256 of the tar> CODE=<local commit> [GEMMA=1] [RECIPE=...] [ARMS=...] \
 #       bash eval/device/head.sh [options for `python -m training run`]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole reproduction (eval/device/reproduce_steps.sh: data -> fine-tune -> accuracy -> head -> draft
 # model -> sweeps -> speed -> tables; docs/reproduction.md) on a GPU host without network access, where each
-# command runs at most 600 s and brings one piece of the model bundle (docs/gpu-host.md). Run the same command
+# command's time is limited and brings one piece of the model bundle (docs/gpu-host.md). Run the same command
 # line every time:
 #   PARTS=3 SHA=<sha256 of the tar> CODE=<local commit> bash eval/device/reproduce.sh
 # (CODE: the commit the result files record; the host's copy of the code has no git metadata.)

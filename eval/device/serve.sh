@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The serving benchmark (python -m eval serve) on a GPU host without network access, where each command runs
-# at most 600 s and brings one piece of the model bundle (see docs/gpu-host.md; the bundle also holds the
+# The serving benchmark (python -m eval serve) on a GPU host without network access, where each command's time
+# is limited and brings one piece of the model bundle (see docs/gpu-host.md; the bundle also holds the
 # server's wheels: FastAPI, uvicorn, pydantic and, for transformers serve, openai). Run the same command line
 # every time:
 #   PARTS=4 SHA=<sha256 of the tar> CODE=<local commit> bash eval/device/serve.sh [eval serve options]

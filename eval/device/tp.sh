@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tensor-parallel check (eval/device/tp_check.py under torchrun) as one background process on a GPU host
-# where each command runs at most 600 s (docs/gpu-host.md), so that compiled tp rounds, whose compilation
+# where each command's time is limited (docs/gpu-host.md), so that compiled tp rounds, whose compilation
 # alone can take longer, finish. No model bundle is needed (random-weight targets). Run the same command
 # line every time:
 #   GPUS=2 CODE=<local commit> bash eval/device/tp.sh [tp_check options, e.g. --compile --skip-exact]
