@@ -84,8 +84,9 @@ def _generate_parser(sub) -> None:
                    help="use the prompt as raw text, no chat template (--input: \"prompt\" lines)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--tp-size", type=int, default=None,
-                   help="shard the target over N GPUs (tensor parallelism; launch with torchrun --nproc-per-node "
-                        "N, which sets the default); rank 0 prints")
+                   help="shard the target over N GPUs (tensor parallelism): starts N processes on this machine, "
+                        "or under torchrun --nproc-per-node N (which sets the default) joins its launch; rank 0 "
+                        "prints")
 
 
 def _model_options(p) -> None:
@@ -192,7 +193,9 @@ def run_generate(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, fuzzy=fuzzy, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None,
                   autoregressive=args.autoregressive, children=args.children)
-    start_ranks(args)
+    launched = start_ranks(args)
+    if launched is not None:  # the ranks ran as processes of their own
+        return launched
     if args.input is not None:
         return run_batch(args, kwargs)
     gen = load_generator(args)
@@ -210,9 +213,11 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_ranks(args: argparse.Namespace) -> None:
+def start_ranks(args: argparse.Namespace) -> int | None:
     """Under torchrun (or with --tp-size N > 1): check that the launch has --tp-size processes, join its
-    process group, and leave the printing to rank 0 (the other ranks run the same rounds, quietly)."""
+    process group, and leave the printing to rank 0 (the other ranks run the same rounds, quietly). Outside
+    torchrun, --tp-size N first checks that N divides the target's heads and vocabulary, then starts the N
+    processes itself (``parallel.run_ranks``) and returns the launch's exit status (None: decode here)."""
     from . import parallel
 
     world = parallel.launched_world()
@@ -222,9 +227,14 @@ def start_ranks(args: argparse.Namespace) -> None:
     if world is not None and world > 1 and args.tp_size != world:
         raise InputError(f"this launch has {world} processes but --tp-size is {args.tp_size}: they must be equal")
     if args.tp_size == 1:
-        return
+        return None
     if args.input == "-":
         raise InputError("with --tp-size > 1, --input must be a file (every rank reads it), not stdin")
+    if world is None:
+        from .models import read_target_config
+
+        parallel.check_divides(read_target_config(args.target)[1], args.tp_size)
+        return parallel.run_ranks([sys.executable, "-m", "fsd_eagle.cli", *args.argv], args.tp_size)
     tp = parallel.start(args.tp_size, args.device)
     if not tp.is_main:
         args.quiet = True
@@ -563,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in ("train", "bench"):
             return _checkout_module({"train": "training", "bench": "eval"}[argv[0]], argv[1:])
         args = _parser().parse_args(argv)
+        args.argv = list(argv)  # what tensor-parallel ranks started from here run again
         return run_serve(args) if args.command == "serve" else run_generate(args)
     except FSDError as e:
         if _reports():

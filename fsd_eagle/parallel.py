@@ -80,6 +80,48 @@ def check_launch(tp_size: int) -> int:
     return world
 
 
+def run_ranks(command: list[str], tp_size: int, grace_s: float = 10.0) -> int:
+    """Run ``command`` (this program again) as the ``tp_size`` processes of one launch on this machine, as
+    torchrun would start them (RANK, LOCAL_RANK, WORLD_SIZE and a free rendezvous port in the environment),
+    each with this process's stdout and stderr, and wait for all of them. Returns the launch's exit status:
+    rank 0's, else the first other rank's that failed. When one rank fails the others get ``grace_s``
+    seconds to end (a rank waiting in a collective for the failed one never would) before they are stopped;
+    Ctrl-C is passed on to every rank."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(tp_size),
+           "LOCAL_WORLD_SIZE": str(tp_size)}
+    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(tp_size)]
+    failed_at = None
+    try:
+        while any(p.poll() is None for p in ranks):
+            if failed_at is None and any(p.returncode not in (None, 0) for p in ranks):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for p in ranks:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for p in ranks:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in ranks:
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        return 130
+    codes = [p.wait() for p in ranks]
+    return codes[0] or next((c for c in codes if c), 0)
+
+
 def start(tp_size: int, device: str | None = None) -> TensorParallel:
     """Join the process group of this torchrun launch of ``tp_size`` processes (started here unless the
     caller did): NCCL on GPUs (rank r on cuda:LOCAL_RANK), gloo on a machine without CUDA. A ConfigError (one

@@ -38,7 +38,8 @@ def _tracked(*patterns: str) -> list[Path]:
 
 
 def _prose_files() -> list[Path]:
-    return _tracked("*.md", "trees/README.md", "docs/*", "fsd_eagle/heads/*/README.md")
+    files = _tracked("*.md", "trees/README.md", "docs/*", "fsd_eagle/heads/*/README.md")
+    return [f for f in files if f.suffix != ".svg"]  # figures drawn from results (eval/figures.py), not prose
 
 
 def _json_files() -> list[Path]:

@@ -360,9 +360,9 @@ def test_cli_errors(folders, monkeypatch, capsys):
 
     target = str(folders["llama"][0])
     _no_launch_env(monkeypatch)
-    assert main(["generate", "hi", "--target", target, "--tp-size", "2", "--device", "cpu"]) == 2
+    assert main(["generate", "hi", "--target", target, "--tp-size", "3", "--device", "cpu"]) == 2  # before any rank
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: tp_size 2 needs one process per GPU"), err
+    assert err == ["error: tp_size 3 does not divide the model's 4 attention heads"], err
     _launch_env(monkeypatch, 2)
     assert main(["generate", "hi", "--target", target, "--tp-size", "3", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -409,3 +409,21 @@ def test_allreduce_bench_runs_over_gloo(tmp_path):
         assert row["dist_us"] > row["matmul_us"] > 0 and row["symm_us"] > row["matmul_us"]
         assert abs(row["dist_allreduce_us"] - (row["dist_us"] - row["matmul_us"])) < 0.02
         assert "no symmetric memory" in row["notes"]["symm"]  # the CPU sums with torch.distributed
+
+
+def test_the_cli_starts_its_ranks_itself_without_torchrun(folders):
+    """``fsd-eagle generate --tp-size 2`` outside torchrun starts two processes of itself (gloo on the CPU):
+    the same tokens as one process, one JSON line on stdout (rank 0's), exit 0."""
+    import json
+    import subprocess
+
+    target, head = (str(f) for f in folders["llama"][:2])
+    base = [sys.executable, "-m", "fsd_eagle.cli", "generate", "hello there", "--target", target, "--head", head,
+            "--device", "cpu",
+            "--max-new-tokens", "12", "--json", "--no-chat"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    one = subprocess.run(base, capture_output=True, text=True, env=env, timeout=300)
+    two = subprocess.run(base + ["--tp-size", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    lines = two.stdout.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["text"] == json.loads(one.stdout)["text"]
