@@ -506,7 +506,8 @@ def cases() -> list[dict]:
     for name, body in SECOND_BODIES.items():  # the second pass (docs/hardening.md, "Second pass")
         out.append(dict(item=8, what=name, code=SECOND.replace("GEN_ARGS", repr(GEN)).replace("BODY", body)))
     for name, extra in {"--temperature 0.8 --top-k 10**30 --children sampled": [
-            "--temperature", "0.8", "--top-k", str(10 ** 30), "--children", "sampled"]}.items():
+            "--temperature", "0.8", "--top-k", str(10 ** 30), "--children", "sampled"],
+            "--tp-size 3 outside torchrun (4 attention heads)": ["--tp-size", "3"]}.items():
         out.append(dict(item=8, what=name, cli=[*gen, *extra, "--json"]))
     for i, case in enumerate(out, 1):
         case["id"] = f"{case['item']}.{i:02d}"
