@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -25,11 +26,12 @@ from fsd_eagle.jsonl import write_text_atomic
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
 OUT = ROOT / "docs" / "figures"
-COLORS = {"exact": "#222222", "kl": "#1f77b4", "reverse_kl": "#d62728", "js": "#2ca02c", "eagle2": "#1f77b4",
+COLORS = {"kl": "#1f77b4", "reverse_kl": "#d62728", "js": "#2ca02c", "eagle2": "#1f77b4",
           "fsd": "#d62728", "ar": "#888888"}
 SWEEPS = {"EAGLE head": "reproduction/sweep-head-t0/results.json",
           "draft model": "reproduction/sweep-draft-t0/results.json"}
 BATCH = "gpu_batch.json"
+MARK = "<!-- drawn by python -m eval figures -->"  # a file without it is not ours to replace
 
 
 @dataclass
@@ -64,7 +66,7 @@ def svg(panels: list[Panel], caption: list[str], width: int = 440, height: int =
     for i, line in enumerate(caption):
         parts.append(f'<text x="8" y="{height + 18 + 14 * i}" font-size="10" fill="#444">{escape(line)}</text>')
     parts.append("</svg>")
-    return "\n".join(parts) + "\n"
+    return "\n".join(parts) + "\n" + MARK + "\n"
 
 
 def draw_panel(panel: Panel, left: int, width: int, height: int) -> str:
@@ -186,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval figures", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=OUT, help=f"folder of the SVG files (default {OUT.relative_to(ROOT)})")
     args = p.parse_args(argv)
+    foreign = [args.out / n for n in FIGURES if (args.out / n).exists() and MARK not in (args.out / n).read_text(errors="replace")]
+    if foreign:
+        print(f"error: {foreign[0]} exists and was not drawn by this command: not replaced (choose another --out)",
+              file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     for name, draw in FIGURES.items():
         write_text_atomic(args.out / name, draw())

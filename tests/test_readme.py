@@ -92,3 +92,12 @@ def test_the_figures_are_drawn_from_the_committed_results(tmp_path):
         assert drawn.startswith("<svg") and "<polyline" in drawn
         assert drawn == (ROOT / "docs" / "figures" / name).read_text(), f"docs/figures/{name} is stale: python -m eval figures"
         assert f"docs/figures/{name}" in text()
+
+
+def test_the_figures_command_replaces_only_its_own_files(tmp_path):
+    from eval.figures import main
+
+    (tmp_path / "batch_speedup.svg").write_text("<svg>someone else's</svg>")
+    assert main(["--out", str(tmp_path)]) == 2
+    assert (tmp_path / "batch_speedup.svg").read_text() == "<svg>someone else's</svg>"
+    assert not (tmp_path / "fsd_tradeoff.svg").exists()

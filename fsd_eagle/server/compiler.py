@@ -36,9 +36,9 @@ from typing import Callable
 import torch
 
 from ..api import PreparedCall, SpeculativeGenerator
+from ..attention import PACK_ROWS
 from ..decode import DecodeStats, failure
 from ..errors import FSDError
-from ..attention import PACK_ROWS
 from ..schedule import ROUND_END, Request, Scheduler
 from ..session import Session
 
@@ -162,7 +162,8 @@ class Compiler:
 
 
 def pack(call: PreparedCall) -> str:
-    """``call`` as one line of text for the worker (torch.save, base64), its tensors on the CPU."""
+    """``call`` as one line of text for the worker (torch.save, base64); the worker moves its prompt to its
+    device (the server's calls hold theirs on the CPU)."""
     buffer = io.BytesIO()
     torch.save(call, buffer)
     return base64.b64encode(buffer.getvalue()).decode()
