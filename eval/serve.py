@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -304,8 +305,9 @@ def run(args: argparse.Namespace) -> dict:
               "device": device_name(), "versions": versions(), "max_tokens": args.max_tokens,
               "prompts": "MT-bench first turns, then Spec-Bench's other subtasks' first turns", "rows": []}
     if args.startup:
-        header["startup"] = startup(ours, cache_env, logs, args)
-        write_json_atomic(out, ratios(header))
+        def save(partial: dict) -> None:
+            write_json_atomic(out, ratios({**header, "startup": partial}))
+        header["startup"] = startup(ours, cache_env, logs, args, save)
     for name, (command, model, health) in servers.items() if levels or args.mixed_fsd else ():
         port = free_port()
         server = Server(name, [a.replace("{port}", str(port)).replace("{python}", sys.executable) for a in command],
@@ -341,13 +343,15 @@ def run(args: argparse.Namespace) -> dict:
     return ratios(header)
 
 
-def startup(command: list[str], env: dict, logs: Path, args: argparse.Namespace) -> dict:
+def startup(command: list[str], env: dict, logs: Path, args: argparse.Namespace,
+            save: Callable[[dict], None]) -> dict:
     """Start our server twice on the same compile cache (``env``), the first time with what the cache holds
     (nothing on a fresh machine), then again after a SIGTERM (a restart), each time timing its health route
     and first answer, then per ``--startup`` level waves of closed-loop requests (``--startup-tokens`` new
     tokens each) until every answer of a wave ran compiled: when that happened (seconds from the start) and
     the output tokens/s of the waves before (graph rounds) and of the last one (compiled). Off a GPU rounds
-    run eagerly and the first wave ends the level."""
+    run eagerly and the first wave ends the level. ``save`` gets the result so far after each wave and level, so an
+    interrupted run keeps what it measured."""
     result = {"cache_held_files_before": sum(1 for p in Path(env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*") if p.is_file())
               if Path(env["TORCHINDUCTOR_CACHE_DIR"]).is_dir() else 0}
     for attempt in ("first", "restart"):
@@ -356,6 +360,8 @@ def startup(command: list[str], env: dict, logs: Path, args: argparse.Namespace)
         t0 = time.perf_counter()
         server.start(logs / f"startup-{attempt}.log", args.start_timeout)
         entry = {"health_s": round(server.healthy_s, 1), "first_answer_s": round(server.started_s, 1), "levels": {}}
+        result[attempt] = entry
+        save(result)
         try:
             for level in args.startup:
                 bodies = [chat_body(None, t, args.startup_tokens) for t in prompts(level)]
@@ -369,6 +375,8 @@ def startup(command: list[str], env: dict, logs: Path, args: argparse.Namespace)
                         last = wave
                         break
                     before.append(wave)
+                    entry["levels"][str(level)] = {"compiled_at_s": None, "waves_before": len(before), "last_wave": wave}
+                    save(result)
                 rates = [w["tokens_per_s"] for w in before]
                 entry["levels"][str(level)] = {
                     "compiled_at_s": last and last["at_s"], "compiled_tokens_per_s": last and last["tokens_per_s"],
@@ -376,9 +384,10 @@ def startup(command: list[str], env: dict, logs: Path, args: argparse.Namespace)
                     "first_wave": before[0] if before else last}
                 print(json.dumps({"startup": attempt, "level": level, **entry["levels"][str(level)]}), file=sys.stderr,
                       flush=True)
+                save(result)
         finally:
             server.stop()
-        result[attempt] = entry
+    save(result)
     return result
 
 
