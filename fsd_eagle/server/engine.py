@@ -265,9 +265,12 @@ class EngineLoop:
         except Exception as e:
             print(f"fsd-eagle: compiled rounds for {rows} rows not used: {_one_line(e)}", file=sys.stderr)
             return
+        here = time.perf_counter() - start
         self.compiled[key] = session
         self.metrics.compiled_sessions.set(len(self.compiled))
-        self.metrics.compile_seconds.inc(seconds + time.perf_counter() - start)
+        self.metrics.compile_seconds.inc(seconds + here)
+        print(f"fsd-eagle: compiled rounds for {rows} rows in use (cache warm after {seconds:.1f} s, "
+              f"session made here in {here:.1f} s)", file=sys.stderr)
         for lane in self.lanes:
             if key_of_lane(lane) == key and lane.session is not session:
                 lane.draining = True
