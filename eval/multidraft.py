@@ -13,7 +13,7 @@ at T (MT-bench first turns), position by position:
   them, renormalised; ``truncated``). Any proposal keeps the rule lossless, and a proposal of M tokens lets a
   verifier's rejection states be sums over M tokens instead of the vocabulary.
 
-    python -m eval.multidraft --temperature 0.7 --prompts 8 --positions 300 --out eval/results/multidraft_cpu.json
+    python -m eval.multidraft --temperature 0.7 --prompts 8 --positions 300 --out runs/multidraft_cpu.json
 
 The head may be EAGLE-2-style (it predicts the target's next feature; the target's lm_head gives q) or
 EAGLE-3 (it reads the captured target layers and drafts over its own vocabulary; q is -inf off it).

@@ -10,7 +10,7 @@ against real sampled decodes). Speculative sampling writes the target's own samp
 each question's answer once from the target alone (question i with seed ``seed + i``; temperature 0: greedy)
 and replays every tree on those answers, as ``trees.tune`` replays greedy ones: each tree's tau is measured on
 the same texts, so trees are compared without the spread between different texts (a sampled tau on 40
-questions can get a 2 % difference backwards: ``eval/results/gpu_tree_scores_h200_1af56b1.json``), and heads
+questions can get a 2 % difference backwards: ``eval/results/archive/gpu_tree_scores_h200_1af56b1.json``), and heads
 too, run after run on the same seeds. No target forward over trees: the head drafts from the target's features
 of one forward over each answer. Not covered: FSD, and children sampled from the drafter.
 

@@ -4,10 +4,10 @@ test problems, or the generated arithmetic test problems, in the sweep's prompt 
 of ``--temperatures``. Also a per-stage breakdown of one round, peak memory at a 2048-token context, and a
 random-weight Llama-3-8B-shaped target's per-round cost.
 
-    python -m eval speed --device cuda --dtype bfloat16 --limit 80 --compile --out eval/results/gpu_speed.json
+    python -m eval speed --device cuda --dtype bfloat16 --limit 80 --compile --out runs/gpu_speed.json
     python -m eval speed --methods ar,eagle2 --backends compiled --rows-only ...   # a shorter run
     python -m eval speed --methods ar,eagle2,fsd --fsd kl:1,reverse_kl:1 --temperatures 0,0.7,1.0 \
-        --compile --rows-only --out eval/results/gpu_sampling.json                # sampling vs greedy
+        --compile --rows-only --out runs/gpu_sampling.json                # sampling vs greedy
 
 Rows: ``method`` (hf_generate, ar, eagle2, fsd), ``divergence`` / ``threshold`` (FSD), ``backend`` (hf, eager,
 graph, compiled), ``temperature`` / ``top_p``, ``tokens_per_s``, ``tau``, ``prompts``, ``device``, ``mode`` and

@@ -302,7 +302,7 @@ def compiled_round(batched: bool = False):
     (``mark_batch_dynamic``; caches may have been reallocated since the last call), so that their first
     compilation serves every batch size: a symbolic-batch round replayed within 4% of a static one on an
     H200, and later batch sizes start in about a second instead of 50-90 s
-    (eval/results/gpu_batch_round_cost.json)."""
+    (eval/results/archive/gpu_batch_round_cost.json)."""
     compiled = _compile(run_round, batched=batched)
     if not batched:
         return compiled

@@ -96,7 +96,7 @@ def draft_tree(drafter: Drafter, root_token: torch.Tensor, root_logits: torch.Te
     frontier. Finally the ``total_tokens - 1`` best candidates (a connected subtree) become the tree.
     Scores are the draft's log-probs at temperature 1 also when the call samples: rescoring them at the
     call's temperature (0.7), or flatter (1.43), accepted 2-5 % fewer tokens per round on MT-bench
-    (eval/results/gpu_tree_scores_h200_1af56b1.json).
+    (eval/results/archive/gpu_tree_scores_h200_1af56b1.json).
     ``with_q``: also return the draft's distributions over every token (q_logits; the fuzzy rule's q_n).
     ``rng`` (a RandomStream) and ``temperature`` ``[B]``: sampled children instead of the top k: each
     expanded node's k children are drawn without replacement from its draft distribution at the row's

@@ -44,7 +44,8 @@ def _prose_files() -> list[Path]:
 
 def _json_files() -> list[Path]:
     """Result and preset files: their notes, commands and descriptions (every string in them)."""
-    files = _tracked("eval/results/*.json", "eval/results/sweep/*.json", "fsd_eagle/presets.json",
+    files = _tracked("eval/results/*.json", "eval/results/archive/*.json", "eval/results/sweep/*.json",
+                     "fsd_eagle/presets.json",
                      "fsd_eagle/heads/*/*.json", "training/recipes/*.json")
     return [f for f in files if "/raw/" not in f.as_posix()]
 

@@ -10,7 +10,7 @@
    at tp N (eval/random_models.py: zero-weight sparse folders, filled at random on the GPUs after loading),
    each with a random head of its shape: ms per round and tokens/s of AR and EAGLE-2 (tree 64/6/8, draft
    vocabulary 16,384, CUDA graphs; ``--compile`` also compiles), EAGLE-2's speedup projected at the tau
-   the shipped head measured (read from eval/results/gpu_speed.json), and the tp N / tp 1 round-cost ratio
+   the shipped head measured (read from the current batch-1 speed figure in eval/results/), and the tp N / tp 1 round-cost ratio
    of the 8B shape.
 """
 
@@ -42,7 +42,8 @@ TINY_TREE = dict(total_tokens=12, depth=3, top_k=3)
 BIG_TREE = dict(total_tokens=64, depth=6, top_k=8, draft_vocab=16384)  # the H100 preset of the shipped head
 TINY_PROMPTS = (list(range(3, 20)), list(range(40, 49)))
 LONG_PROMPT = range(1000, 1512)  # token ids of the timed decodes' prompt (512 tokens)
-TAU_FALLBACK = 3.35  # MT-bench tau of the shipped head, compiled rounds, H100 (eval/results/gpu_speed.json)
+REFERENCE = "gpu_sampling_pool16_h200_fb0e710.json"  # the current batch-1 speed figure (README)
+TAU_FALLBACK = 3.902  # its MT-bench tau of the shipped head, greedy, compiled rounds, H200
 
 
 def log(*parts) -> None:
@@ -149,14 +150,15 @@ def check_exactness(work: Path, tp_size: int, device: str) -> dict:
 
 
 def reference_tau() -> tuple[float, str]:
-    """The shipped head's MT-bench tau with compiled rounds, from eval/results/gpu_speed.json."""
-    path = ROOT / "eval" / "results" / "gpu_speed.json"
+    """The shipped head's MT-bench tau, greedy, compiled rounds, from the current batch-1 speed figure."""
+    path = ROOT / "eval" / "results" / REFERENCE
     try:
-        rows = json.loads(path.read_text())["rows"]
-        row = next(r for r in rows if (r.get("name") or r.get("method")) == "eagle2_compiled")
-        return float(row["tau"]), f"eval/results/gpu_speed.json eagle2_compiled ({row.get('device')})"
+        data = json.loads(path.read_text())
+        row = next(r for r in data["rows"] if r.get("method") == "eagle2" and r.get("backend") == "compiled"
+                   and not r.get("temperature"))
+        return float(row["tau"]), f"eval/results/{REFERENCE} {row['name']} ({data['meta'].get('device')})"
     except (OSError, KeyError, StopIteration, ValueError, TypeError):
-        return TAU_FALLBACK, "default (no eval/results/gpu_speed.json row)"
+        return TAU_FALLBACK, f"default (no greedy compiled EAGLE row in eval/results/{REFERENCE})"
 
 
 def sync() -> None:
