@@ -13,6 +13,8 @@
     serve  serving benchmark over HTTP: fsd-eagle serve with and without speculation, optionally transformers
            serve, closed-loop concurrency levels and a Poisson rate (eval/serve.py; see `serve --help`)
     figures  the README's figures (docs/figures/*.svg) from committed results (eval/figures.py)
+    head-scaling  the draft head's scaling study: add a trained head's point, show points and the stop rule's
+           verdicts (eval/head_scaling.py)
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="serving benchmark: our server with and without speculation, transformers "
                                  "serve (eval/serve.py)", add_help=False)
     sub.add_parser("figures", help="the README's figures from committed results (eval/figures.py)", add_help=False)
+    sub.add_parser("head-scaling", help="the draft head's scaling study (eval/head_scaling.py)", add_help=False)
 
     p = sub.add_parser("table", help="render results.json, results.md and the plot of a sweep folder")
     p.add_argument("--out", required=True, help="the sweep's results folder")
@@ -279,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
             from .figures import main as figures_main
 
             return figures_main(argv[1:])
+        if argv and argv[0] == "head-scaling":  # and eval/head_scaling.py
+            from .head_scaling import main as head_scaling_main
+
+            return head_scaling_main(argv[1:])
         args = _parser().parse_args(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -52,7 +52,7 @@ class Panel:
     y_title: str
     series: list[Series]
     log_x: bool = False
-    legend: str = "lower left"  # or "upper right": where no points are
+    legend: str = "lower left"  # or "upper right", "upper left": where no points are
 
 
 def svg(panels: list[Panel], caption: list[str], width: int = 440, height: int = 300) -> str:
@@ -110,6 +110,8 @@ def draw_panel(panel: Panel, left: int, width: int, height: int) -> str:
                            f'{escape(label)}</text>')
         if panel.legend == "lower left":
             lx, ly = left + m_left + 8, m_top + plot_h - 8 - 13 * (len(panel.series) - 1 - k)
+        elif panel.legend == "upper left":
+            lx, ly = left + m_left + 8, m_top + 14 + 13 * k
         else:
             lx, ly = left + m_left + plot_w - 150, m_top + 14 + 13 * k
         out.append(f'<line x1="{lx}" y1="{ly - 4}" x2="{lx + 16}" y2="{ly - 4}" stroke="{s.color}" stroke-width="2"{dash}/>'

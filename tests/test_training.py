@@ -780,6 +780,30 @@ def test_eagle3_trains_resumes_exports_and_decodes_exactly(llama, tmp_path, caps
         assert spec.token_ids == ref.token_ids and spec.text == ref.text
 
 
+def test_a_wider_head_trains_for_max_steps_and_decodes_exactly(llama, tmp_path):
+    """--head-intermediate-size gives the head an MLP of that width (a capacity variant: the config and
+    weights say so and it loads as such), --max-steps caps the run from the command line, and the wider head
+    decodes exactly as plain decoding; a width that does not fit a warm start's head is refused in one line."""
+    recipe = llama.write_recipe("recipe_wide.json", arch="eagle3", draft_vocab_size=64, epochs=4)
+    out = tmp_path / "wide"
+    assert main(llama.argv(out, "--head-intermediate-size", 96, "--max-steps", 2, recipe=recipe)) == 0
+    assert _log(out)[-1]["step"] == 2
+    config = json.loads((out / "head" / "config.json").read_text())
+    saved = load_file(out / "head" / "model.safetensors")
+    model, tokenizer = load_target(llama.target, torch.device("cpu"), torch.float32)
+    assert config["intermediate_size"] == 96 != model.config.intermediate_size
+    assert [tuple(v.shape) for k, v in saved.items() if k.endswith("mlp.down_proj.weight")] == [
+        (model.config.hidden_size, 96)]
+    head = load_head(out / "head", model.config, torch.device("cpu"), torch.float32)
+    assert head.config.intermediate_size == 96
+    gen = SpeculativeGenerator(model, tokenizer, head)
+    for prompt in [c.messages[:1] for c in llama.convs[:2]] + [UNSEEN["llama"]]:
+        spec, ref = gen.generate(prompt, 24), gen.generate(prompt, 24, autoregressive=True)
+        assert spec.token_ids == ref.token_ids
+    assert main(llama.argv(tmp_path / "narrow", "--init", str(out / "head"), "--head-intermediate-size", 48,
+                           recipe=recipe)) == 2
+
+
 # ------------------------------------------------------------------------------------- 4: bad input
 
 

@@ -204,7 +204,7 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     if args.target:
         recipe.target = args.target
     for key in ("epochs", "distill_count", "distill_turns", "distill_temperature", "distill_samples", "answers",
-                "init", "unroll", "arch", "layers", "draft_vocab_size"):
+                "init", "unroll", "arch", "layers", "draft_vocab_size", "head_intermediate_size", "max_steps"):
         if getattr(args, key) is not None:
             problem = field_problem(key, getattr(args, key))
             if problem:
@@ -234,13 +234,15 @@ def check_options(args: argparse.Namespace) -> None:
 
 def head_config(recipe: Recipe, target_config, where: str) -> HeadConfig:
     """The head the recipe trains for the target: eagle2, or eagle3 over the recipe's layers (default:
-    HeadConfig's) with a draft vocabulary of ``draft_vocab_size`` tokens (0: the whole vocabulary); a
-    setting the target cannot take is refused with one line that names ``where`` it comes from."""
+    HeadConfig's) with a draft vocabulary of ``draft_vocab_size`` tokens (0: the whole vocabulary); its MLP
+    ``head_intermediate_size`` wide (0: the target's); a setting the target cannot take is refused with one
+    line that names ``where`` it comes from."""
+    width = {"intermediate_size": recipe.head_intermediate_size} if recipe.head_intermediate_size else {}
     if recipe.arch == "eagle2":
-        return HeadConfig.for_target(target_config)
+        return HeadConfig.for_target(target_config, **width)
     try:
         cfg = HeadConfig.for_target(target_config, arch="eagle3", layers=tuple(recipe.layers),
-                                    draft_vocab_size=recipe.draft_vocab_size)
+                                    draft_vocab_size=recipe.draft_vocab_size, **width)
     except ConfigError as e:
         raise InputError(f"{where}: {e}") from None
     check_fit(cfg, target_config, f"{where}: the eagle3 head")
@@ -461,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="eagle3: the target layers the head reads (default: the recipe's, else low/middle/high)")
     r.add_argument("--draft-vocab-size", type=int,
                    help="eagle3: the head drafts among the N most frequent answer tokens (0: all; default: the recipe's)")
+    r.add_argument("--head-intermediate-size", type=int,
+                   help="the head's MLP width (0: the target's intermediate size; default: the recipe's)")
+    r.add_argument("--max-steps", type=int,
+                   help="stop training after N steps, the schedule fitted to them (0: no cap; default: the recipe's)")
     r.add_argument("--time-budget", type=float,
                    help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")
     r.add_argument("--stop-after", type=float,

@@ -49,6 +49,7 @@ class Recipe:
     arch: str = "eagle2"  # the head: "eagle2" (EAGLE-1/2) or "eagle3" (fused target layers, own draft lm_head)
     layers: list[int] = field(default_factory=list)  # eagle3: target layers read ([] = HeadConfig's default)
     draft_vocab_size: int = 0  # eagle3: the head's lm_head covers the N most frequent answer tokens (0 = all)
+    head_intermediate_size: int = 0  # the head's MLP width (0 = the target's intermediate_size, EAGLE's choice)
     val_fraction: float = 0.01
     val_prompts: int = 8
     val_new_tokens: int = 96
@@ -112,7 +113,7 @@ INT_RANGES = {"distill_count": (0, MAX_INT), "distill_batch": (1, MAX_INT), "dis
               "max_len": (2, MAX_INT), "tokens_per_batch": (1, MAX_INT), "epochs": (1, MAX_INT), "max_steps": (0, MAX_INT),
               "warmup_steps": (0, MAX_INT), "unroll": (1, 64), "val_prompts": (0, MAX_INT),
               "val_new_tokens": (1, MAX_INT), "checkpoint_every": (1, MAX_INT), "seed": (0, 2**63 - 1),
-              "draft_vocab_size": (0, MAX_INT)}
+              "draft_vocab_size": (0, MAX_INT), "head_intermediate_size": (0, MAX_INT)}
 # name -> (least, whether the least is allowed, most or None) for numbers; every one must be finite
 FLOAT_RANGES = {"distill_temperature": (0.0, True, None), "lr": (0.0, True, None), "weight_decay": (0.0, True, None),
                 "grad_clip": (0.0, False, None), "feature_weight": (0.0, True, None), "ce_weight": (0.0, True, None), "noise": (0.0, True, None),

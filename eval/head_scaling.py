@@ -1,0 +1,256 @@
+"""The draft head's scaling study: tau against training data, training steps and head capacity, one point
+per trained head, with the stop rule's verdict per axis.
+
+    python -m eval head-scaling add --name data-2x --axis data --loss-tokens 28.0e6 --steps 5000 \\
+        --gpu-seconds 1500 --mt-bench tau_mt.json [--spec-bench tau_sb.json] --recipe RECIPE.json \\
+        --device "NVIDIA H200" --code abc1234 --command "eval/device/head.sh ..."
+    python -m eval head-scaling show
+
+``add`` also redraws the study's figure (``docs/figures/head_scaling.svg``: tau against loss tokens and
+against training steps, capacity points beside their baselines).
+
+A point is one head: the axis it belongs to (``data``: loss tokens at a fixed number of steps, ``steps``: training
+steps at fixed data, ``capacity``: a larger head at equal training compute, named against its ``--baseline``
+point), its size figures and its tau on MT-bench (and Spec-Bench, by category), as ``python -m eval tau``
+writes them. ``add`` writes or replaces the point of that name in the study's file
+(``eval/results/head_scaling.json``, rewritten whole and atomically) and recomputes the verdicts.
+
+The stop rule: along an axis, points are ordered by the axis' quantity; each step between neighbours is
+converted to a gain per doubling, ``(tau_b / tau_a) ** (1 / log2(x_b / x_a)) - 1``; when the last step's gain
+per doubling is under ``STOP_GAIN`` (2 %), that axis stops. A capacity point helps when its tau beats its
+baseline's by at least ``STOP_GAIN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+from fsd_eagle.errors import InputError
+from fsd_eagle.jsonl import write_text_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_FILE = ROOT / "eval" / "results" / "head_scaling.json"
+DEFAULT_FIGURE = ROOT / "docs" / "figures" / "head_scaling.svg"
+STOP_GAIN = 0.02
+AXES = {"data": "loss_tokens", "steps": "steps", "capacity": None}  # axis -> the quantity it orders points by
+WHAT = ("The draft head's scaling study for the default model: MT-bench tau (80 first turns, greedy) and Spec-Bench "
+        "tau per category of heads trained with one recipe each, against loss tokens at a fixed number of steps (data), "
+        "training steps at fixed data (steps) and head capacity at equal training compute (capacity). Stop rule: an "
+        "axis stops when its last doubling adds less than 2 % tau.")
+
+
+def per_doubling(x_a: float, tau_a: float, x_b: float, tau_b: float) -> float:
+    """The tau gain per doubling of the axis' quantity from point a to point b (x_b > x_a > 0)."""
+    if not (x_b > x_a > 0 and tau_a > 0 and tau_b > 0):
+        raise ValueError(f"per_doubling needs x_b > x_a > 0 and positive tau, got {x_a}, {x_b}, {tau_a}, {tau_b}")
+    return (tau_b / tau_a) ** (1 / math.log2(x_b / x_a)) - 1
+
+
+def axis_verdict(points: list[dict], key: str) -> dict:
+    """Steps between neighbouring points of one axis (ordered by ``key``), each with its gain per doubling,
+    and the verdict: "stop" when the last gain per doubling is under STOP_GAIN, "continue" otherwise,
+    "needs two points" with fewer."""
+    ordered = sorted(points, key=lambda p: p[key])
+    steps = [{"from": a["name"], "to": b["name"], "ratio": round(b[key] / a[key], 3),
+              "tau_gain": round(b["mt_bench_tau"] / a["mt_bench_tau"] - 1, 4),
+              "gain_per_doubling": round(per_doubling(a[key], a["mt_bench_tau"], b[key], b["mt_bench_tau"]), 4)}
+             for a, b in zip(ordered, ordered[1:]) if b[key] > a[key]]
+    if not steps:
+        return {"steps": [], "verdict": "needs two points"}
+    last = steps[-1]["gain_per_doubling"]
+    verdict = "stop" if last < STOP_GAIN else "continue"
+    why = (f"the last doubling ({steps[-1]['from']} -> {steps[-1]['to']}) added {100 * last:.1f} % tau per doubling, "
+           f"{'under' if verdict == 'stop' else 'at least'} {100 * STOP_GAIN:g} %")
+    return {"steps": steps, "verdict": verdict, "why": why}
+
+
+def capacity_verdicts(points: list[dict]) -> list[dict]:
+    """Each capacity point against its baseline: the tau gain and whether it helps (at least STOP_GAIN)."""
+    by_name = {p["name"]: p for p in points}
+    out = []
+    for p in points:
+        if p["axis"] != "capacity":
+            continue
+        base = by_name.get(p.get("baseline"))
+        if base is None:
+            out.append({"name": p["name"], "verdict": f"baseline {p.get('baseline')!r} not in the study yet"})
+            continue
+        gain = p["mt_bench_tau"] / base["mt_bench_tau"] - 1
+        out.append({"name": p["name"], "baseline": base["name"], "tau_gain": round(gain, 4),
+                    "verdict": "helps" if gain >= STOP_GAIN else "does not help"})
+    return out
+
+
+def verdicts(points: list[dict]) -> dict:
+    """The stop rule's verdict per axis."""
+    result = {axis: axis_verdict([p for p in points if p["axis"] == axis], key)
+              for axis, key in AXES.items() if key}
+    result["capacity"] = capacity_verdicts(points)
+    return result
+
+
+def read_tau(path: Path) -> dict:
+    """A ``python -m eval tau`` result: {"tau": {"all": ..., category: ...}, ...}."""
+    try:
+        data = json.loads(Path(path).read_text())
+        tau = data["tau"]
+        if not isinstance(tau, dict) or not isinstance(tau.get("all"), (int, float)):
+            raise KeyError("tau.all")
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read the tau result {path}: {e}") from None
+    except (KeyError, TypeError):
+        raise InputError(f"{path} is not a result of 'python -m eval tau' (no tau.all)") from None
+    return {k: float(v) for k, v in tau.items()}
+
+
+def load_study(path: Path) -> dict:
+    if not path.exists():
+        return {"what": WHAT, "stop_gain": STOP_GAIN, "points": []}
+    try:
+        study = json.loads(path.read_text())
+        if not isinstance(study.get("points"), list):
+            raise ValueError("no points list")
+    except ValueError as e:
+        raise InputError(f"{path} is not a head-scaling study: {e}") from None
+    return study
+
+
+def positive(name: str, value: float | None, integer: bool = False) -> None:
+    if value is None:
+        return
+    if not math.isfinite(value) or value <= 0 or (integer and value != int(value)):
+        raise InputError(f"--{name} must be a {'whole ' if integer else ''}number > 0, got {value}")
+
+
+def add(args: argparse.Namespace) -> dict:
+    """The study with ``args``' point written (replacing one of the same name), verdicts recomputed."""
+    for name, integer in (("loss-tokens", False), ("steps", True), ("gpu-seconds", False), ("parameters", True)):
+        positive(name, getattr(args, name.replace("-", "_")), integer)
+    if args.axis == "data" and args.loss_tokens is None:
+        raise InputError("a data point needs --loss-tokens")
+    if args.axis == "capacity" and not args.baseline:
+        raise InputError("a capacity point needs --baseline (the point of equal training compute it is compared with)")
+    study = load_study(args.file)
+    mt = read_tau(args.mt_bench)
+    point = {"name": args.name, "axis": args.axis, "loss_tokens": args.loss_tokens, "steps": args.steps,
+             "gpu_seconds": args.gpu_seconds, "parameters": args.parameters, "baseline": args.baseline,
+             "mt_bench_tau": mt["all"], "mt_bench_by_category": {k: v for k, v in mt.items() if k != "all"},
+             "recipe": args.recipe, "device": args.device, "date": args.date, "code": args.code,
+             "command": args.command, "note": args.note}
+    if args.spec_bench:
+        sb = read_tau(args.spec_bench)
+        point.update(spec_bench_tau=sb["all"], spec_bench_by_category={k: v for k, v in sb.items() if k != "all"})
+    point = {k: v for k, v in point.items() if v is not None}
+    study["points"] = [p for p in study["points"] if p["name"] != args.name] + [point]
+    study["verdicts"] = verdicts(study["points"])
+    return study
+
+
+def plot(study: dict) -> str:
+    """The study as SVG: MT-bench tau against loss tokens (data points) and against steps (steps points),
+    base-2 x axes; each capacity point drawn on both panels where its baseline is, as its own series."""
+    from .figures import COLORS, Panel, Series, svg
+
+    points = study["points"]
+    by_name = {p["name"]: p for p in points}
+    panels = []
+    for axis, key, title in (("data", "loss_tokens", "loss tokens"), ("steps", "steps", "training steps")):
+        mine = sorted((p for p in points if p["axis"] == axis and p.get(key)), key=lambda p: p[key])
+        series = [Series(f"{axis} axis", COLORS["eagle2"], [(p[key], p["mt_bench_tau"]) for p in mine],
+                         [p["name"] for p in mine])] if mine else []
+        for p in points:
+            base = by_name.get(p.get("baseline")) if p["axis"] == "capacity" else None
+            if base is not None and base["axis"] == axis and base.get(key):
+                series.append(Series(p["name"], COLORS["fsd"], [(base[key], p["mt_bench_tau"])], [p["name"]]))
+        if series:
+            panels.append(Panel(f"tau against {title}", f"{title} (log scale)", "MT-bench tau (greedy)", series,
+                                log_x=True, legend="upper left"))
+    dates = sorted(p["date"] for p in points if p.get("date"))
+    caption = [f"Draft heads for the default model: {len(points)} points"
+               + (f", {dates[0]} to {dates[-1]}" if dates else "") + "; eval/results/head_scaling.json."]
+    return svg(panels, caption) if panels else ""
+
+
+def write_figure(study: dict, path: Path) -> bool:
+    """Redraw the study's figure at ``path`` (False: nothing to draw yet); a file there that this command did
+    not draw is not replaced (InputError)."""
+    from .figures import MARK
+
+    drawn = plot(study)
+    if not drawn:
+        return False
+    if path.exists() and MARK not in path.read_text(errors="replace"):
+        raise InputError(f"{path} exists and was not drawn by this command: not replaced (choose another --figure)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, drawn)
+    return True
+
+
+def show(study: dict) -> str:
+    lines = [f"{'point':<22} {'axis':<9} {'loss tokens':>12} {'steps':>7} {'GPU s':>7} {'MT-bench tau':>13}"]
+    def cell(value, width: int) -> str:
+        return f"{value:>{width},.0f}" if value is not None else f"{'-':>{width}}"
+
+    for p in sorted(study["points"], key=lambda p: (p["axis"], p.get("loss_tokens") or 0, p.get("steps") or 0)):
+        lines.append(f"{p['name']:<22} {p['axis']:<9} {cell(p.get('loss_tokens'), 12)} {cell(p.get('steps'), 7)} "
+                     f"{cell(p.get('gpu_seconds'), 7)} {p['mt_bench_tau']:>13.3f}")
+    for axis, v in (study.get("verdicts") or {}).items():
+        if axis == "capacity":
+            lines += [f"capacity {c['name']}: {c['verdict']}" for c in v]
+        else:
+            lines.append(f"{axis}: {v['verdict']}" + (f" ({v['why']})" if "why" in v else ""))
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    from fsd_eagle.cli import OneLineParser
+
+    p = OneLineParser(prog="python -m eval head-scaling", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command_name", required=True)
+    a = sub.add_parser("add", help="write one trained head's point into the study")
+    a.add_argument("--name", required=True)
+    a.add_argument("--axis", required=True, choices=list(AXES))
+    a.add_argument("--loss-tokens", type=float, help="tokens the loss was taken over in training")
+    a.add_argument("--steps", type=int, help="optimizer steps")
+    a.add_argument("--gpu-seconds", type=float, help="GPU seconds of self-distillation and training")
+    a.add_argument("--parameters", type=int, help="the head's trainable parameters")
+    a.add_argument("--baseline", help="capacity: the point of equal training compute it is compared with")
+    a.add_argument("--mt-bench", type=Path, required=True, help="python -m eval tau's result on MT-bench")
+    a.add_argument("--spec-bench", type=Path, help="python -m eval tau's result on Spec-Bench")
+    a.add_argument("--recipe", help="the training recipe (a file in training/recipes/)")
+    a.add_argument("--device")
+    a.add_argument("--date", default=datetime.date.today().isoformat())
+    a.add_argument("--code", help="the commit of the code that trained and measured it")
+    a.add_argument("--command", help="the command that trained it")
+    a.add_argument("--note")
+    a.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    a.add_argument("--figure", type=Path, default=DEFAULT_FIGURE, help="the SVG figure redrawn from the study")
+    s = sub.add_parser("show", help="the study's points and verdicts")
+    s.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command_name == "add":
+            study = add(args)
+            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
+            if write_figure(study, args.figure):
+                print(f"wrote {args.figure}", file=sys.stderr)
+        else:
+            study = load_study(args.file)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(show(study))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The head-scaling study's bookkeeping (eval/head_scaling.py): the stop rule, points written and replaced
+atomically, bad input refused in one line, and the figure redrawn from the study."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from eval.head_scaling import STOP_GAIN, axis_verdict, main, per_doubling, verdicts
+
+
+def _tau(path, all_, **categories):
+    path.write_text(json.dumps({"tau": {"all": all_, **categories}, "tree": {}, "head": "h"}))
+    return path
+
+
+def test_gain_per_doubling_normalises_the_step():
+    assert per_doubling(1, 3.0, 2, 3.3) == pytest.approx(0.1)
+    assert per_doubling(1, 3.0, 4, 3.63) == pytest.approx(0.1)  # 1.1 ** 2 over two doublings
+    assert per_doubling(1e6, 4.0, 1e6 * 2 ** 0.5, 4.0 * 1.1 ** 0.5) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        per_doubling(2, 3.0, 1, 3.1)
+
+
+def test_an_axis_stops_when_its_last_doubling_adds_under_two_percent():
+    pts = [{"name": "1x", "loss_tokens": 14e6, "mt_bench_tau": 3.80},
+           {"name": "4x", "loss_tokens": 56e6, "mt_bench_tau": 4.26},
+           {"name": "2x", "loss_tokens": 28e6, "mt_bench_tau": 4.18}]
+    v = axis_verdict(pts, "loss_tokens")
+    assert [(s["from"], s["to"]) for s in v["steps"]] == [("1x", "2x"), ("2x", "4x")]
+    last = v["steps"][1]["gain_per_doubling"]
+    assert last == pytest.approx(4.26 / 4.18 - 1, abs=1e-4) and last < STOP_GAIN
+    assert v["verdict"] == "stop" and "2x -> 4x" in v["why"]
+    v = axis_verdict(pts[:1] + [{"name": "2x", "loss_tokens": 28e6, "mt_bench_tau": 4.0}], "loss_tokens")
+    assert v["verdict"] == "continue" and math.isclose(v["steps"][0]["tau_gain"], 4.0 / 3.8 - 1, abs_tol=1e-4)
+    assert axis_verdict(pts[:1], "loss_tokens")["verdict"] == "needs two points"
+
+
+def test_a_capacity_point_is_judged_against_its_baseline():
+    pts = [{"name": "base", "axis": "steps", "steps": 5000, "mt_bench_tau": 4.0},
+           {"name": "wide", "axis": "capacity", "baseline": "base", "mt_bench_tau": 4.05},
+           {"name": "two-layers", "axis": "capacity", "baseline": "base", "mt_bench_tau": 4.2},
+           {"name": "orphan", "axis": "capacity", "baseline": "gone", "mt_bench_tau": 4.2}]
+    got = {c["name"]: c["verdict"] for c in verdicts(pts)["capacity"]}
+    assert got == {"wide": "does not help", "two-layers": "helps", "orphan": "baseline 'gone' not in the study yet"}
+
+
+def test_add_writes_replaces_and_draws(tmp_path, capsys):
+    study, figure = tmp_path / "head_scaling.json", tmp_path / "head_scaling.svg"
+    common = ["--file", str(study), "--figure", str(figure), "--steps", "5000", "--gpu-seconds", "1500"]
+    assert main(["add", "--name", "1x", "--axis", "data", "--loss-tokens", "14e6", "--code", "abc",
+                 "--mt-bench", str(_tau(tmp_path / "a.json", 3.8, writing=3.5)), *common]) == 0
+    assert main(["add", "--name", "2x", "--axis", "data", "--loss-tokens", "28e6",
+                 "--mt-bench", str(_tau(tmp_path / "b.json", 3.9)),
+                 "--spec-bench", str(_tau(tmp_path / "s.json", 3.7, qa=3.2)), *common]) == 0
+    data = json.loads(study.read_text())
+    assert [p["name"] for p in data["points"]] == ["1x", "2x"]
+    assert data["points"][0]["mt_bench_by_category"] == {"writing": 3.5}
+    assert data["points"][1]["spec_bench_by_category"] == {"qa": 3.2}
+    assert data["verdicts"]["data"]["verdict"] == "continue"  # +2.6 % for one doubling
+    # the same name again replaces its point: now the doubling adds 1.3 %, the axis stops
+    assert main(["add", "--name", "2x", "--axis", "data", "--loss-tokens", "28e6",
+                 "--mt-bench", str(_tau(tmp_path / "c.json", 3.85)), *common]) == 0
+    data = json.loads(study.read_text())
+    assert [p["mt_bench_tau"] for p in data["points"]] == [3.8, 3.85]
+    assert data["verdicts"]["data"]["verdict"] == "stop"
+    drawn = figure.read_text()
+    assert drawn.startswith("<svg") and "<polyline" in drawn and "2 points" in drawn
+    out = capsys.readouterr().out
+    assert "data: stop" in out and "1x" in out
+    assert main(["show", "--file", str(study)]) == 0 and "data: stop" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--axis", "data", "--loss-tokens", "-5"], "--loss-tokens must be a number > 0"),
+    (["--axis", "data"], "a data point needs --loss-tokens"),
+    (["--axis", "capacity", "--steps", "10"], "a capacity point needs --baseline"),
+    (["--axis", "steps", "--steps", "10", "--mt-bench", "missing.json"], "cannot read the tau result"),
+    (["--axis", "steps", "--steps", "10", "--mt-bench", "not_tau.json"], "is not a result of 'python -m eval tau'"),
+])
+def test_bad_points_are_refused_in_one_line(tmp_path, capsys, monkeypatch, args, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not_tau.json").write_text('{"rows": []}')
+    _tau(tmp_path / "ok.json", 3.0)
+    argv = ["add", "--name", "p", "--file", str(tmp_path / "s.json"), "--figure", str(tmp_path / "f.svg"), *args]
+    if "--mt-bench" not in args:
+        argv += ["--mt-bench", "ok.json"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_a_figure_not_drawn_by_it_is_not_replaced(tmp_path, capsys):
+    figure = tmp_path / "head_scaling.svg"
+    figure.write_text("<svg>someone else's</svg>")
+    assert main(["add", "--name", "1x", "--axis", "steps", "--steps", "100", "--file", str(tmp_path / "s.json"),
+                 "--figure", str(figure), "--mt-bench", str(_tau(tmp_path / "a.json", 3.0))]) == 2
+    assert figure.read_text() == "<svg>someone else's</svg>"
+    assert "not drawn by this command" in capsys.readouterr().err
