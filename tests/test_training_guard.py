@@ -91,6 +91,21 @@ def test_resume_of_the_same_run_may_extend_it(setup, started, tmp_path):
     assert (run / "head" / "model.safetensors").exists()
 
 
+def test_resume_of_a_run_from_before_a_recipe_field_was_added(setup, started, tmp_path):
+    """A run whose fingerprint predates a recipe field (its stored recipe lacks it) resumes when this call
+    keeps that field's default, and is refused when it does not."""
+    run = tmp_path / "run"
+    shutil.copytree(started, run)
+    stored = json.loads((run / FINGERPRINT_FILE).read_text())
+    del stored["recipe"]["head_intermediate_size"]
+    (run / FINGERPRINT_FILE).write_text(json.dumps(stored))
+    refused = tmp_path / "refused"
+    shutil.copytree(run, refused)
+    assert main(setup.argv(refused, "--resume", "--head-intermediate-size", 96)) == 2
+    assert main(setup.argv(run, "--resume")) == 0
+    assert (run / "head" / "model.safetensors").exists()
+
+
 def test_resume_of_a_run_without_fingerprint_is_taken_with_a_note(setup, started, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(started, run)

@@ -89,8 +89,10 @@ def describe_difference(old: dict, new: dict) -> str | None:
     a, b = old.get("target", {}), new["target"]
     if (a.get("config_sha256"), a.get("weights")) != (b["config_sha256"], b["weights"]):
         return f"another target ({a.get('path')}, not {b['path']})"
-    recipe_a, recipe_b = old.get("recipe", {}), new["recipe"]
-    changed = sorted(k for k in set(recipe_a) | set(recipe_b) if recipe_a.get(k) != recipe_b.get(k))
+    # a value a run's stored recipe lacks (a field added since it started) is that field's default
+    defaults = json.loads(json.dumps(Recipe().to_dict()))
+    recipe_a, recipe_b = {**defaults, **old.get("recipe", {})}, new["recipe"]
+    changed = sorted(k for k in set(recipe_a) & set(recipe_b) if recipe_a[k] != recipe_b[k])
     if changed:
         shown = ", ".join(f"{k} {recipe_a.get(k)!r}, not {recipe_b.get(k)!r}" for k in changed[:3])
         return f"other recipe values ({shown})"

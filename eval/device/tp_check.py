@@ -10,8 +10,8 @@
    at tp N (eval/random_models.py: zero-weight sparse folders, filled at random on the GPUs after loading),
    each with a random head of its shape: ms per round and tokens/s of AR and EAGLE-2 (tree 64/6/8, draft
    vocabulary 16,384, CUDA graphs; ``--compile`` also compiles), EAGLE-2's speedup projected at the tau
-   the shipped head measured (read from the current batch-1 speed figure in eval/results/), and the tp N / tp 1 round-cost ratio
-   of the 8B shape.
+   the shipped head measured (read from the current batch-1 speed figure in eval/results/), and the tp N /
+   tp 1 round-cost ratio of the 8B shape.
 """
 
 from __future__ import annotations
