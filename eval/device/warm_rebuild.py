@@ -93,11 +93,12 @@ def main() -> int:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
            "PYTHONUNBUFFERED": "1"}
     phases = a.phases.split(",")
+    answers = Path(tempfile.mkdtemp(prefix="warm-rebuild-phases-"))  # each phase's result, apart from the cache
     precompile_cold = "precompile" in phases
     result = {"command": "python " + " ".join(sys.argv), "cache": str(cache), "phases": []}
     for name in phases:
         flag = "1" if name == "precompile" or (name == "cold" and precompile_cold) else "0"
-        child_out = cache / f"{name}.json"
+        child_out = answers / f"{name}.json"
         start = time.perf_counter()
         run = subprocess.run([sys.executable, __file__, "--rows", str(a.rows), "--context", str(a.context),
                               "--out", str(child_out), "--child", f"{name}:{flag}"], env=env, capture_output=True,
