@@ -113,9 +113,9 @@ def load_study(path: Path) -> dict:
         return {"what": WHAT, "stop_gain": STOP_GAIN, "points": []}
     try:
         study = json.loads(path.read_text())
-        if not isinstance(study.get("points"), list):
+        if not isinstance(study, dict) or not isinstance(study.get("points"), list):
             raise ValueError("no points list")
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         raise InputError(f"{path} is not a head-scaling study: {e}") from None
     return study
 
@@ -131,8 +131,9 @@ def add(args: argparse.Namespace) -> dict:
     """The study with ``args``' point written (replacing one of the same name), verdicts recomputed."""
     for name, integer in (("loss-tokens", False), ("steps", True), ("gpu-seconds", False), ("parameters", True)):
         positive(name, getattr(args, name.replace("-", "_")), integer)
-    if args.axis == "data" and args.loss_tokens is None:
-        raise InputError("a data point needs --loss-tokens")
+    for axis, key in AXES.items():
+        if args.axis == axis and key and getattr(args, key) is None:
+            raise InputError(f"a {axis} point needs --{key.replace('_', '-')}")
     if args.axis == "capacity" and not args.baseline:
         raise InputError("a capacity point needs --baseline (the point of equal training compute it is compared with)")
     study = load_study(args.file)

@@ -76,21 +76,26 @@ def test_add_writes_replaces_and_draws(tmp_path, capsys):
 @pytest.mark.parametrize("args, expected", [
     (["--axis", "data", "--loss-tokens", "-5"], "--loss-tokens must be a number > 0"),
     (["--axis", "data"], "a data point needs --loss-tokens"),
+    (["--axis", "steps", "--loss-tokens", "5"], "a steps point needs --steps"),
     (["--axis", "capacity", "--steps", "10"], "a capacity point needs --baseline"),
+    (["--axis", "steps", "--steps", "10", "--file", "list.json"], "list.json is not a head-scaling study"),
     (["--axis", "steps", "--steps", "10", "--mt-bench", "missing.json"], "cannot read the tau result"),
     (["--axis", "steps", "--steps", "10", "--mt-bench", "not_tau.json"], "is not a result of 'python -m eval tau'"),
 ])
 def test_bad_points_are_refused_in_one_line(tmp_path, capsys, monkeypatch, args, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "not_tau.json").write_text('{"rows": []}')
+    (tmp_path / "list.json").write_text("[1, 2]")
     _tau(tmp_path / "ok.json", 3.0)
-    argv = ["add", "--name", "p", "--file", str(tmp_path / "s.json"), "--figure", str(tmp_path / "f.svg"), *args]
+    argv = ["add", "--name", "p", "--figure", str(tmp_path / "f.svg"), *args]
+    if "--file" not in args:
+        argv += ["--file", str(tmp_path / "s.json")]
     if "--mt-bench" not in args:
         argv += ["--mt-bench", "ok.json"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
-    assert not (tmp_path / "s.json").exists()
+    assert not (tmp_path / "s.json").exists() and (tmp_path / "list.json").read_text() == "[1, 2]"
 
 
 def test_a_figure_not_drawn_by_it_is_not_replaced(tmp_path, capsys):
