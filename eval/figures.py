@@ -34,6 +34,11 @@ BATCH = "gpu_batch.json"
 MARK = "<!-- drawn by python -m eval figures -->"  # a file without it is not ours to replace
 
 
+def replaceable(path: Path) -> bool:
+    """Whether a figure may be written at ``path``: nothing is there, or a figure these scripts drew."""
+    return not path.exists() or MARK in path.read_text(errors="replace")
+
+
 @dataclass
 class Series:
     name: str
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval figures", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=OUT, help=f"folder of the SVG files (default {OUT.relative_to(ROOT)})")
     args = p.parse_args(argv)
-    foreign = [args.out / n for n in FIGURES if (args.out / n).exists() and MARK not in (args.out / n).read_text(errors="replace")]
+    foreign = [args.out / n for n in FIGURES if not replaceable(args.out / n)]
     if foreign:
         print(f"error: {foreign[0]} exists and was not drawn by this command: not replaced (choose another --out)",
               file=sys.stderr)

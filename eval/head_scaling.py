@@ -180,12 +180,12 @@ def plot(study: dict) -> str:
 def write_figure(study: dict, path: Path) -> bool:
     """Redraw the study's figure at ``path`` (False: nothing to draw yet); a file there that this command did
     not draw is not replaced (InputError)."""
-    from .figures import MARK
+    from .figures import replaceable
 
     drawn = plot(study)
     if not drawn:
         return False
-    if path.exists() and MARK not in path.read_text(errors="replace"):
+    if not replaceable(path):
         raise InputError(f"{path} exists and was not drawn by this command: not replaced (choose another --figure)")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, drawn)
@@ -194,6 +194,7 @@ def write_figure(study: dict, path: Path) -> bool:
 
 def show(study: dict) -> str:
     lines = [f"{'point':<22} {'axis':<9} {'loss tokens':>12} {'steps':>7} {'GPU s':>7} {'MT-bench tau':>13}"]
+
     def cell(value, width: int) -> str:
         return f"{value:>{width},.0f}" if value is not None else f"{'-':>{width}}"
 
