@@ -34,8 +34,13 @@ _restored: set[Path] = set()
 
 def use_folder(folder: Path) -> Path:
     """Keep inductor's cache (its generated code and compiled kernels) in ``folder``/inductor unless
-    ``TORCHINDUCTOR_CACHE_DIR`` is set; returns the folder in use. Call before the first compilation."""
+    ``TORCHINDUCTOR_CACHE_DIR`` is set, and whole compiled rounds and prefills in ``folder``/functions unless
+    ``FSD_EAGLE_PRECOMPILED`` is set (fsd_eagle.precompiled); returns inductor's folder. Call before the
+    first compilation."""
+    from . import precompiled
+
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
+    precompiled.use_folder(folder / "functions")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 

@@ -22,6 +22,7 @@ from .attention import flex_supported
 from .config import TreeConfig
 from .drafter import DraftRoot, ModelDrafter, SlotDrafter
 from .ops import pick
+from .precompiled import Precompiled, describe
 from .rng import RandomStream
 from .sampling import RuleForm, RuleValues, choose
 from .target import Target
@@ -263,6 +264,9 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=None if dynamic else False)
     freeze = freezing()
+    if not freeze and not _tensor_parallel():  # kept whole on disk where a folder is set (fsd_eagle.precompiled)
+        compiled = Precompiled(fn, fn.__name__ + ("_batched" if batched else ""), None if dynamic else False,
+                               compiled, variant_of)
     if not dynamic and not freeze:
         return compiled
 
@@ -275,6 +279,27 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
             return compiled(*args, **kwargs)
 
     return call
+
+
+def _tensor_parallel() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def variant_of(*args) -> str:
+    """The folder name of a compiled round's or prefill's saved specializations (fsd_eagle.precompiled):
+    what its arguments are beyond what the saved guards check (tensor shapes, attribute values): the
+    settings objects (tree, rule form; dataclasses, by value), the class of every other object (Target,
+    drafter, round state) with its tree attention where it has one, and each tensor's dtype and device."""
+    parts = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            parts.append((arg.dtype, arg.device.type))
+        elif arg is None or isinstance(arg, (TreeConfig, RuleForm)):
+            parts.append(arg)
+        else:
+            parts.append((type(arg).__qualname__, getattr(arg, "attention", None)))
+    return describe(*parts)
 
 
 def mark_batch_dynamic(*holders) -> None:

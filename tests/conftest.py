@@ -323,3 +323,10 @@ def gpu_session_on_the_cpu(monkeypatch, backend_of) -> None:
     monkeypatch.setattr(decode_module, "capture", capture)
     monkeypatch.setattr(session_module, "capture", capture)
     decode_module.compiled_prefill.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def no_saved_compiled_functions(monkeypatch):
+    """Compiled rounds are not written to disk unless a test asks (fsd_eagle.precompiled): a command that a
+    test runs in this process sets the folder for the process, which is undone after each test."""
+    monkeypatch.delenv("FSD_EAGLE_PRECOMPILED", raising=False)

@@ -7,8 +7,9 @@ the same model, compiles that configuration's session and runs one short decode 
 prefill and the round compiled with torch.compile and captured), minutes on a cold compile cache. Its
 kernels land in the compile cache folder the server shares with it (``TORCHINDUCTOR_CACHE_DIR``, inherited).
 Once it answers, the engine thread makes the same session in the server's process between two rounds,
-now from a warm cache (dynamo traces, every kernel is a cache hit, graphs are captured: seconds, during
-which the running rounds wait), and new requests of that configuration decode on it while the graph lane
+now from a warm cache (where the worker could save the compiled round and prefill whole, fsd_eagle.precompiled,
+they are loaded without tracing; else dynamo traces again and every kernel is a cache hit; graphs are
+captured; the running rounds wait meanwhile), and new requests of that configuration decode on it while the graph lane
 drains: each request decodes in one mode from its start to its end.
 
 Why another process and not a thread: torch.compile and CUDA graph capture are not safe beside a thread

@@ -1,0 +1,159 @@
+"""Compiled rounds and prefills kept on disk whole (fsd_eagle.precompiled): what a restart or a server's
+take-over loads instead of tracing and compiling again."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import decode_all, gpu_session_on_the_cpu, has_cpu_compiler, make_session
+from fsd_eagle import precompiled
+from fsd_eagle.config import TreeConfig
+from fsd_eagle.decode import compiled_prefill, compiled_round, variant_of
+from fsd_eagle.engine import Engine
+from fsd_eagle.sampling import RuleForm
+from test_engine import _engine, random_prompt
+
+needs_packaging = pytest.mark.skipif(not (has_cpu_compiler() and precompiled.supported()),
+                                     reason="needs a CPU compiler and a torch that saves compiled functions")
+SCALAR_KERNELS = {"cpp.simdlen": 1}  # as the compiled sampling tests: the same graphs, faster to build here
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(precompiled.ENV, str(tmp_path / "functions"))
+    return tmp_path / "functions"
+
+
+def test_the_folder_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(precompiled.ENV, raising=False)
+    assert precompiled.folder() is None  # nothing is kept unless asked
+    assert precompiled.use_folder(tmp_path / "a") == tmp_path / "a"
+    assert precompiled.use_folder(tmp_path / "b") == tmp_path / "a"  # a set variable wins
+    monkeypatch.setenv(precompiled.ENV, "0")
+    assert precompiled.folder() is None
+    monkeypatch.setenv(precompiled.ENV, str(tmp_path / "c"))
+    if precompiled.supported():
+        assert precompiled.folder() == tmp_path / "c"
+    monkeypatch.setattr(precompiled, "supported", lambda: False)  # a torch that cannot save them: none kept
+    assert precompiled.folder() is None
+
+
+def test_a_specialization_is_written_atomically_under_the_digest_of_its_bytes(tmp_path):
+    first = precompiled.save(tmp_path / "v", b"compiled")
+    again = precompiled.save(tmp_path / "v", b"compiled")
+    other = precompiled.save(tmp_path / "v", b"other")
+    assert first == again != other
+    assert sorted(p.name for p in (tmp_path / "v").iterdir()) == sorted([first.name, other.name])  # no temporaries
+
+
+def test_an_unreadable_file_is_a_cache_miss_with_a_warning(tmp_path):
+    bad = tmp_path / "broken.pt"
+    bad.write_bytes(b"not a compiled function")
+    with pytest.warns(UserWarning, match="compiles again"):
+        assert precompiled.load(bad) is None
+
+
+def test_variants_differ_by_settings_not_by_tensor_values():
+    tree, other_tree = TreeConfig(total_tokens=12, depth=4, top_k=3), TreeConfig(total_tokens=16, depth=4, top_k=3)
+    greedy = RuleForm()
+    a = variant_of(torch.zeros(2, 3), tree, greedy)
+    assert a == variant_of(torch.ones(5, 7), tree, greedy)  # shapes are the guards' part
+    assert a != variant_of(torch.zeros(2, 3), other_tree, greedy)
+    assert a != variant_of(torch.zeros(2, 3, dtype=torch.bfloat16), tree, greedy)
+    assert a != variant_of(torch.zeros(2, 3), tree, dataclasses.replace(greedy, fuzzy=True))
+
+
+def test_guards_that_cannot_be_saved_are_left_out():
+    from torch._dynamo.types import GuardFilterEntry
+
+    class Local:  # a class defined in a function: its objects cannot be saved
+        pass
+
+    def entry(guard_type, value=None, is_global=False, derived=()):
+        return GuardFilterEntry(name="x", has_value=value is not None, value=value, guard_type=guard_type,
+                                derived_guard_types=derived, is_global=is_global, orig_guard=None)
+
+    kept = precompiled.serializable_guards([
+        entry("TENSOR_MATCH", torch.zeros(1)), entry("ID_MATCH", 1), entry("TYPE_MATCH", Local()),
+        entry("CONSTANT_MATCH", 3, is_global=True), entry("TYPE_MATCH", 3, derived=("ID_MATCH",)),
+        entry("EQUALS_MATCH", "sdpa"), entry("SEQUENCE_LENGTH", (1,)),
+        dataclasses.replace(entry("SEQUENCE_LENGTH", (1,)), name="f.__closure__[0].cell_contents.__defaults__")])
+    assert kept == [True, False, False, False, False, True, True, False]
+
+
+@needs_packaging
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+def test_saved_rounds_decode_exactly_and_a_new_session_loads_them_without_tracing(tiny_llama, folder, monkeypatch):
+    """A compiled Session (as on a GPU: prefill and round compiled, graphs replayed) with a folder set writes
+    its prefill and round; once the process forgets them (new compiled functions, dynamo reset), a new
+    Session of the same plan decodes from the files (nothing is traced or compiled), and its tokens are the
+    eager Session's, which are autoregressive decoding's."""
+    gpu_session_on_the_cpu(monkeypatch, lambda fn: "inductor")
+    compiled_round.cache_clear()
+    torch._dynamo.reset()
+    cfg = TreeConfig(total_tokens=12, depth=4, top_k=3)
+    eng = _engine("eagle", tiny_llama)
+    prompt = random_prompt(3, 128)
+    expected, _ = decode_all(make_session(tree=cfg, engine=Engine(tiny_llama, None)), prompt, 24)
+
+    def compiled_session():
+        session = make_session(tree=cfg, engine=eng, graphs=True, compile=True, attention="sdpa")
+        session.use_graph, session.compile, session.attention = True, True, "sdpa"  # a GPU session's
+        return session
+
+    try:
+        with torch._inductor.config.patch(SCALAR_KERNELS), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # a function that could not be saved warns: fail
+            first, stats = decode_all(compiled_session(), prompt, 24)
+            assert stats.mode == "compiled"
+            saved = sorted(folder.rglob("*.pt"))
+            assert {p.parent.parent.name for p in saved} == {"prefill", "run_round"}, saved
+            compiled_round.cache_clear()
+            compiled_prefill.cache_clear()
+            torch._dynamo.reset()
+            with monkeypatch.context() as m:  # nothing traced or compiled: both functions come from the files
+                m.setattr(precompiled.Precompiled, "_compile", lambda *a: pytest.fail("compiled again"))
+                frames = counters["frames"]["total"]
+                second, stats = decode_all(compiled_session(), prompt, 24)
+                assert counters["frames"]["total"] == frames
+            assert stats.mode == "compiled"
+        assert sorted(folder.rglob("*.pt")) == saved  # and nothing new was written
+        assert first == second == expected
+    finally:
+        compiled_prefill.cache_clear()
+        compiled_round.cache_clear()
+        torch._dynamo.reset()
+
+
+def test_a_function_that_cannot_be_packaged_compiles_lazily_and_later_processes_skip_the_attempt(folder, monkeypatch):
+    """A graph break (fullgraph capture fails): the call runs the lazily compiled function, with one warning
+    that names the reason, which is kept for the next process of the same code; that process goes straight
+    to lazy compilation."""
+    if not precompiled.supported():
+        pytest.skip("this torch cannot save compiled functions")
+    calls = []
+
+    def breaks(x):
+        torch._dynamo.graph_break()
+        return x + 1
+
+    def lazy(x):
+        calls.append(x)
+        return x + 1
+
+    fn = precompiled.Precompiled(breaks, "breaks", False, lazy, lambda *a: "v")
+    with pytest.warns(UserWarning, match="compiled without saving it"):
+        assert fn(torch.zeros(2)).tolist() == [1.0, 1.0]
+    marker = folder / precompiled.environment() / "breaks" / "v" / precompiled.UNPACKABLE
+    assert marker.is_file() and len(calls) == 1
+    again = precompiled.Precompiled(breaks, "breaks", False, lazy, lambda *a: "v")  # a later process
+    with monkeypatch.context() as m, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.setattr(torch, "compile", lambda *a, **k: pytest.fail("tried to package again"))
+        assert again(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert len(calls) == 2 and not list(marker.parent.glob("*.pt"))
