@@ -165,13 +165,21 @@ class Precompiled:
             data = type(compiled).serialize(compiled).serialized_data
         except Exception as e:  # noqa: BLE001 - any failure to package: compile lazily as before
             self.broken = True
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            warnings.warn(f"{self.name}: compiled without saving it ({reason})", stacklevel=3)
-            write_atomically(marker, (reason + "\n").encode())
+            warnings.warn(f"{self.name}: compiled without saving it ({summary(e)}; {marker})", stacklevel=3)
+            write_atomically(marker, f"{type(e).__name__}: {e}\n".encode())
             return None
         save(where, data)
         self.loaded.setdefault(where, []).append(compiled)
         return compiled
+
+
+def summary(error: Exception) -> str:
+    """One line for an error: its type and first line, and where in the user's code it arose when the message
+    says (dynamo's messages end with the traced frames: the innermost is the cause)."""
+    lines = str(error).strip().splitlines()
+    frames = [line.strip() for line in lines if line.strip().startswith('File "')]
+    head = f"{type(error).__name__}: {lines[0].strip() if lines else ''}"
+    return f"{head} at {frames[-1]}" if frames else head
 
 
 MARKS = ("_dynamo", "_has_dynamo")  # the prefixes of the attributes torch._dynamo's mark functions set

@@ -157,3 +157,10 @@ def test_a_function_that_cannot_be_packaged_compiles_lazily_and_later_processes_
         m.setattr(torch, "compile", lambda *a, **k: pytest.fail("tried to package again"))
         assert again(torch.ones(2)).tolist() == [2.0, 2.0]
     assert len(calls) == 2 and not list(marker.parent.glob("*.pt"))
+
+
+def test_a_failure_is_summed_up_in_one_line_with_where_it_arose():
+    error = RuntimeError('Unsupported context manager\n  Hint: ...\n\nfrom user code:\n   File "a.py", line 3, in f\n'
+                         '    g()\n  File "b.py", line 9, in g\n    with lock:')
+    assert precompiled.summary(error) == 'RuntimeError: Unsupported context manager at File "b.py", line 9, in g'
+    assert precompiled.summary(ValueError("bad")) == "ValueError: bad"
