@@ -128,13 +128,15 @@ class Precompiled:
                  variant_of: Callable[..., str]) -> None:
         self.fn, self.name, self.dynamic, self.fallback, self.variant_of = fn, name, dynamic, fallback, variant_of
         self.loaded: dict[Path, list] = {}  # folder of a variant -> its specializations (loaded functions)
-        self.broken = False  # packaging failed once: lazy compilation from then on
+        self.unpackable: set[Path] = set()  # variants that could not be packaged: compiled lazily
 
     def __call__(self, *args):
         base = folder()
-        if base is None or self.broken:
+        if base is None:
             return self.fallback(*args)
         where = base / environment() / self.name / self.variant_of(*args)
+        if where in self.unpackable:
+            return self.fallback(*args)
         with hidden_marks(args):  # a loaded function's guards reject marked tensors (see hidden_marks)
             found = self._find(where, args)
             if found is not None:
@@ -152,19 +154,19 @@ class Precompiled:
         return None
 
     def _compile(self, where: Path, args: tuple):
-        """A new specialization, saved; None (lazy compilation from then on) where it cannot be packaged: the
-        reason is kept beside the variant's files (``UNPACKABLE``), so that later processes with the same
-        code skip the attempt (a failed capture costs as long as a trace)."""
+        """A new specialization, saved; None (lazy compilation of this variant from then on) where it cannot be
+        packaged: the reason is kept beside the variant's files (``UNPACKABLE``), so that later processes with
+        the same code skip the attempt (a failed capture costs as long as a trace)."""
         marker = where / UNPACKABLE
         if marker.is_file():
-            self.broken = True
+            self.unpackable.add(where)
             return None
         try:
             compiled = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic,
                                      options={"guard_filter_fn": serializable_guards}).aot_compile((args, {}))
             data = type(compiled).serialize(compiled).serialized_data
         except Exception as e:  # noqa: BLE001 - any failure to package: compile lazily as before
-            self.broken = True
+            self.unpackable.add(where)
             warnings.warn(f"{self.name}: compiled without saving it ({summary(e)}; {marker})", stacklevel=3)
             write_atomically(marker, f"{type(e).__name__}: {e}\n".encode())
             return None
