@@ -12,7 +12,9 @@ for the lanes). Each phase is its own process on one shared, initially empty com
 
 Per phase: the seconds of making the session and of its warm-up, dynamo's and inductor's timers
 (``torch._dynamo.utils.compile_times``) and the cache counters (FX graph cache, AOTAutograd cache hits and
-misses; frames compiled). Random-weight target of the default model's shape with the shipped head, so no
+misses; frames compiled), and what the folder of whole compiled functions (fsd_eagle.precompiled, the
+commands' default; ``--no-precompiled``: none) holds: saved files, and the variants that could not be packaged
+with why. Random-weight target of the default model's shape with the shipped head, so no
 model files are needed:
 
     python eval/device/warm_rebuild.py --rows 1 --out $OUT/warm_rebuild.json
@@ -73,12 +75,23 @@ def phase(name: str, rows: int, context: int, precompile: bool) -> dict:
     return out
 
 
+def saved_functions(folder: Path) -> dict:
+    """What the folder of whole compiled functions holds after a phase: each saved file (its path in the
+    folder) and each variant that could not be packaged, with the start of the reason."""
+    if not folder.is_dir():
+        return {}
+    return {"files": sorted(str(p.relative_to(folder)) for p in folder.rglob("*.pt")),
+            "unpackable": {str(p.parent.relative_to(folder)): p.read_text()[:1500] for p in folder.rglob("unpackable.txt")}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--context", type=int, default=2048, help="cache tokens per row, as a server's lanes")
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--cache", default=None, help="compile cache folder (default: a new temporary one)")
+    p.add_argument("--no-precompiled", action="store_true",
+                   help="keep no whole compiled functions (fsd_eagle.precompiled; by default they go to CACHE/functions)")
     p.add_argument("--out", required=True)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -91,7 +104,7 @@ def main() -> int:
 
     cache = Path(a.cache or tempfile.mkdtemp(prefix="warm-rebuild-"))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "FSD_EAGLE_PRECOMPILED": "0" if a.no_precompiled else str(cache / "functions")}
     phases = a.phases.split(",")
     answers = Path(tempfile.mkdtemp(prefix="warm-rebuild-phases-"))  # each phase's result, apart from the cache
     precompile_cold = "precompile" in phases
@@ -107,6 +120,8 @@ def main() -> int:
         entry["process_s"] = round(time.perf_counter() - start, 1)
         if run.returncode:
             entry["error"] = run.stderr[-3000:]
+        entry["precompiled"] = saved_functions(cache / "functions")
+        entry["not_saved"] = [line.strip()[:600] for line in run.stderr.splitlines() if "compiled without saving" in line]
         result["phases"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k not in ("compile_times", "counters")}), flush=True)
         write_text_atomic(Path(a.out), json.dumps(result, indent=1))
