@@ -827,3 +827,36 @@ def test_children_follow_the_tree_unless_named(tiny_llama):
     run = lambda children: gen.generate(prompt, 24, temperature=0.9, seed=5, chat=False,  # noqa: E731
                                         children=children).token_ids
     assert run("auto") == run("sampled") and run("auto") != run("top")
+
+
+@needs_compiler
+def test_sampling_is_lossless_on_rounds_loaded_from_saved_files(tmp_path, monkeypatch):
+    """Compiled rounds kept whole on disk (fsd_eagle.precompiled): a first Session compiles and saves its
+    prefill and round; once the process has forgotten them, a second Session loads them (compiling nothing)
+    and samples the target's distribution."""
+    from fsd_eagle import precompiled
+
+    if not precompiled.supported():
+        pytest.skip("this torch cannot save compiled functions")
+    monkeypatch.setenv(precompiled.ENV, str(tmp_path))
+
+    def forget():
+        compiled_round.cache_clear()
+        compiled_prefill.cache_clear()
+        torch._dynamo.reset()
+
+    forget()
+    engine, prompt, first, second = stat_setup_on("cpu")
+    rule = AcceptanceRule(SamplingConfig(temperature=0.7, top_p=0.9))
+    try:
+        sample_pairs_on(make_mode_session("compiled", engine, STAT_TREE, rule.form), prompt, rule, CHI_ROWS, seed=1)
+        assert {p.parent.parent.name for p in tmp_path.rglob("*.pt")} == {"prefill", "run_round"}
+        forget()
+        monkeypatch.setattr(precompiled.Precompiled, "_compile", lambda *a: pytest.fail("compiled again"))
+        n = 2000
+        counts, accept_rate = sample_pairs_on(make_mode_session("compiled", engine, STAT_TREE, rule.form), prompt,
+                                              rule, n, seed=5)
+        assert accept_rate > 0.3
+        assert chi_square_pvalue(counts, exact_pair_distribution(first, second, 0.7, 0.9), n) > 1e-3
+    finally:
+        forget()
