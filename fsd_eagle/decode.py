@@ -227,10 +227,7 @@ def freezing() -> bool:
     compilation (an Engine's never do), and the fused copies take memory beside the weights. Off in a
     tensor-parallel process (more than one rank): freezing would make the process group that the sharded
     layers sum over a constant of the compiled code, which inductor cannot do."""
-    if os.environ.get(FREEZING_ENV, "").strip() != "1":
-        return False
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    return os.environ.get(FREEZING_ENV, "").strip() == "1" and not _tensor_parallel()
 
 
 def inductor_settings(freeze: bool, batched: bool) -> dict:
@@ -282,6 +279,7 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
 
 
 def _tensor_parallel() -> bool:
+    """Whether this process is one rank of several (tensor parallelism)."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
