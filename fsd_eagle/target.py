@@ -72,6 +72,8 @@ class Target:
         if any(not 0 <= i < n for i in layers):
             raise HeadMismatchError(f"a drafter reads target layers {list(layers)}, the target has {n} (ids 0 to {n - 1})")
         self.feature_layers = tuple(layers)
+        if layers:
+            install_capture_hooks(self.base)
 
     def use_attention(self, backend: str) -> None:
         """Switch the tree-attention backend of rounds ("sdpa" or "flex", see fsd_eagle.attention; prefills
@@ -233,3 +235,17 @@ class Target:
         start = self.length.unsqueeze(1)
         self.cache.compact(start + path, start + torch.arange(path.shape[1], device=self.device))
         self.length.add_(n_accepted)
+
+
+def install_capture_hooks(module: nn.Module) -> None:
+    """Install now the forward hooks through which ``module`` (a transformers model whose forward captures
+    outputs) returns hidden states. transformers installs them lazily, in the first forward that asks for
+    hidden states, under a threading lock and with a class-level counter of hook handles, neither of which
+    dynamo can trace: a compiled prefill or round that made that first forward broke into several graphs,
+    and a function with a graph break cannot be saved whole (fsd_eagle.precompiled). Installed here, every
+    forward finds them in place. Nothing to do where this transformers has no lazily installed hooks."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:
+        return
+    maybe_install_capturing_hooks(module)

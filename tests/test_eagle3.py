@@ -91,6 +91,22 @@ def test_the_target_keeps_hidden_states_only_for_an_eagle3_drafter():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_first_forward_that_captures_layers_traces_into_one_graph(arch):
+    """A Target that carries captured layers has transformers' capture hooks in place before its first
+    forward: a compiled prefill that is the model's very first forward traces into one graph (transformers
+    installs them lazily under a lock that dynamo cannot trace: a compiled function with that break cannot
+    be saved whole, fsd_eagle.precompiled), and gives the eager prefill's features."""
+    model = tiny_model(arch, seed=7)  # a fresh model: no forward has run on it
+    compiled, eager = Target(model), Target(model)
+    for target in (compiled, eager):
+        target.capture((0, 1))
+        target.allocate(64)
+    prompt = torch.arange(5)[None]
+    features = torch.compile(compiled.prefill, fullgraph=True, backend="eager")(prompt)
+    torch.testing.assert_close(features, eager.prefill(prompt))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_eagle3_head_decodes_greedy_exactly_alone_and_batched(arch):
     eng = engine(arch)
     texts = prompts(4, 128)
