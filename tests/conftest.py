@@ -252,6 +252,19 @@ def spy_generate(monkeypatch, counts, value) -> list:
     return calls
 
 
+SCALAR_KERNELS = {"cpp.simdlen": 1}  # no vector ISA matches a SIMD length of 1
+
+
+def cpu_kernels(attention: str = "sdpa") -> dict:
+    """Inductor settings for a test's compilation on the CPU: scalar C++ kernels (SCALAR_KERNELS), the same
+    graphs and fusions without inductor's vectorized variant of each loop, whose code generation took about
+    a third of a cold compilation on 2 cores (a chi-square test's 96 s -> 62 s). What the tests check (one
+    graph per round, compiled outputs equal to eager ones, the target's distribution) does not depend on it;
+    the GPU compiles Triton kernels either way. FlexAttention's CPU template needs the vectorized kernels:
+    none for it."""
+    return {} if attention == "flex" else SCALAR_KERNELS
+
+
 def has_cpu_compiler() -> bool:
     """Whether torch.compile can build CPU code here (inductor needs g++ and the Python headers)."""
     include = sysconfig.get_paths().get("include", "")

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsd_eagle.verify as verify_module
-from conftest import flex_drops_mutations, gpu_session_on_the_cpu, has_cpu_compiler, tiny_model
+from conftest import cpu_kernels, flex_drops_mutations, gpu_session_on_the_cpu, has_cpu_compiler, tiny_model
 from fsd_eagle.attention import BACKENDS, FLEX_BLOCK, block_mask
 from fsd_eagle.cache import SlotMask
 from fsd_eagle.config import SamplingConfig, TreeConfig
@@ -1380,7 +1380,9 @@ def test_batched_compiled_round_equals_eager_and_compiles_once_for_later_batch_s
             session.allocate(256)
             ps = [random_prompt(i, 128, 5 + 3 * i, 5 + 3 * i) for i in range(b)]
             session.start_rows(list(range(b)), ps, [rules[i % 2] for i in range(b)], list(range(b)))
-            outs.append(torch.stack([fn(session.target, session.drafter, session.state, cfg, form) for _ in range(4)]))
+            with torch._inductor.config.patch(cpu_kernels(session.attention)):
+                outs.append(torch.stack([fn(session.target, session.drafter, session.state, cfg, form)
+                                         for _ in range(4)]))
         assert torch.equal(outs[0], outs[1]), b
         graphs.append(counters["stats"]["unique_graphs"] - start)
     assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs  # batches 3 and 5 reused batch 2's compilation
@@ -1467,7 +1469,8 @@ def test_compiled_round_equals_the_eager_round(tiny_llama, backend, draft_vocab,
             assert "_frozen_param" in "\n".join(code)
             rounds = [first] + [fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(4)]
         else:
-            rounds = [fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(5)]
+            with torch._inductor.config.patch(cpu_kernels(backend)):
+                rounds = [fn(target, drafter, session.state, cfg, GREEDY.form) for _ in range(5)]
         results.append(torch.stack(rounds))
     assert torch.equal(results[0], results[1])
     assert (results[0][:, 0, 0] > 1).any()  # some round accepted drafted tokens (n_accepted of row 0)

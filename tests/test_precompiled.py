@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import decode_all, gpu_session_on_the_cpu, has_cpu_compiler, make_session
+from conftest import SCALAR_KERNELS, decode_all, gpu_session_on_the_cpu, has_cpu_compiler, make_session
 from fsd_eagle import precompiled
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.decode import compiled_prefill, compiled_round, variant_of
@@ -20,7 +20,6 @@ from test_engine import _engine, random_prompt
 
 needs_packaging = pytest.mark.skipif(not (has_cpu_compiler() and precompiled.supported()),
                                      reason="needs a CPU compiler and a torch that saves compiled functions")
-SCALAR_KERNELS = {"cpp.simdlen": 1}  # as the compiled sampling tests: the same graphs, faster to build here
 
 
 @pytest.fixture

@@ -35,7 +35,8 @@ from fsd_eagle.session import PendingRound, Plan, Session
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.verify import AcceptanceRule, sampled_children_walk, verify_tree
 
-from conftest import CHI_ROWS, chi_square_pvalue, decode_all, has_cpu_compiler, make_session, sample_pairs_on, tiny_model
+from conftest import (CHI_ROWS, SCALAR_KERNELS, chi_square_pvalue, decode_all, has_cpu_compiler, make_session,
+                      sample_pairs_on, tiny_model)
 from test_engine import (BROKEN, STAT_TREE, PathDrafter, Row, _target_logits_for, exact_pair_distribution,
                          make_stat_setup, noisy_copy)
 
@@ -175,11 +176,7 @@ class CompiledSession(Session):
     run without CUDA graphs, so that the CPU checks the compiled code of every rule; prompts padded to
     their length bucket as in graph mode.
 
-    They compile to scalar C++ kernels (SCALAR_KERNELS): the same graphs and fusions without inductor's
-    vectorized variant of each loop, whose code generation took a third of a cold compilation on 2 cores
-    (one chi-square test: 96 s -> 62 s). What these tests check, that each rule traces into one graph that
-    inductor compiles and that samples the target's distribution, does not depend on it. (Inductor's CPU
-    FlexAttention needs vectorized kernels: these sessions attend with SDPA.)"""
+    They compile to scalar C++ kernels (conftest.cpu_kernels) and attend with SDPA."""
 
     def prompt_slots(self, prompt_len: int) -> int:
         return prefill_bucket(prompt_len)
@@ -201,8 +198,6 @@ class CompiledSession(Session):
         with torch._inductor.config.patch(SCALAR_KERNELS):
             return PendingRound(compiled_round()(self.target, self.drafter, self.state, self.tree, self.form).cpu())
 
-
-SCALAR_KERNELS = {"cpp.simdlen": 1}  # no vector ISA matches a SIMD length of 1
 
 MODES = {
     "eager": pytest.param("eager"),
