@@ -542,16 +542,22 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    try:
-        for args, words in ((["--port", str(taken.getsockname()[1])], "cannot listen on"),
-                            (["--port", "70000"], "--port must be"), (["--max-batch", "0"], "--max-batch must"),
-                            (["--max-queue", "0"], "--max-queue must"), (["--api-key", " "], "--api-key is empty"),
-                            (["--max-model-len", "1"], "--max-model-len must")):
-            done = subprocess.run([sys.executable, "-m", "fsd_eagle.cli", "serve", "--device", "cpu", *args],
-                                  capture_output=True, text=True, timeout=WAIT_S)
-            assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
-            assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    cases = ((["--port", str(taken.getsockname()[1])], "cannot listen on"), (["--port", "70000"], "--port must be"),
+             (["--max-batch", "0"], "--max-batch must"), (["--max-queue", "0"], "--max-queue must"),
+             (["--api-key", " "], "--api-key is empty"), (["--max-model-len", "1"], "--max-model-len must"))
+    procs = []
+    try:  # the commands side by side: each spends its seconds importing
+        for args, _ in cases:
+            procs.append(subprocess.Popen([sys.executable, "-m", "fsd_eagle.cli", "serve", "--device", "cpu", *args],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for (args, words), proc in zip(cases, procs):
+            _, err = proc.communicate(timeout=WAIT_S)
+            assert proc.returncode == 2 and words in err, (args, err)
+            assert err.count("\n") == 1 and "Traceback" not in err
     finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
         taken.close()
 
 
