@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import SCALAR_KERNELS, decode_all, gpu_session_on_the_cpu, has_cpu_compiler, make_session
+from conftest import cpu_kernels, decode_all, gpu_session_on_the_cpu, has_cpu_compiler, make_session
 from fsd_eagle import precompiled
 from fsd_eagle.config import TreeConfig
 from fsd_eagle.decode import compiled_prefill, compiled_round, variant_of
@@ -106,7 +106,7 @@ def test_saved_rounds_decode_exactly_and_a_new_session_loads_them_without_tracin
         return session
 
     try:
-        with torch._inductor.config.patch(SCALAR_KERNELS), warnings.catch_warnings():
+        with torch._inductor.config.patch(cpu_kernels()), warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # a function that could not be saved warns: fail
             first, stats = decode_all(compiled_session(), prompt, 24)
             assert stats.mode == "compiled"

@@ -35,7 +35,7 @@ from fsd_eagle.session import PendingRound, Plan, Session
 from fsd_eagle.tree import draft_tree
 from fsd_eagle.verify import AcceptanceRule, sampled_children_walk, verify_tree
 
-from conftest import (CHI_ROWS, SCALAR_KERNELS, chi_square_pvalue, decode_all, has_cpu_compiler, make_session,
+from conftest import (CHI_ROWS, chi_square_pvalue, cpu_kernels, decode_all, has_cpu_compiler, make_session,
                       sample_pairs_on, tiny_model)
 from test_engine import (BROKEN, STAT_TREE, PathDrafter, Row, _target_logits_for, exact_pair_distribution,
                          make_stat_setup, noisy_copy)
@@ -188,14 +188,14 @@ class CompiledSession(Session):
             ids[j, :p.shape[0]] = p
         length = torch.tensor([p.shape[0] for p in prompts] + [1] * (rows - len(prompts)), device=dev)
         st = pre.state
-        with torch._inductor.config.patch(SCALAR_KERNELS):
+        with torch._inductor.config.patch(cpu_kernels()):
             return compiled_prefill()(pre.target, pre.drafter, ids, length, self.form.exact(), st.values, st.rng)
 
     def launch(self):
         # Static shapes whatever the rows (as one-row GPU sessions compile): a symbolic batch size (what
         # batched GPU sessions compile, tests/test_batch.py) took several times longer to compile here.
         assert self.target.attention == "sdpa"
-        with torch._inductor.config.patch(SCALAR_KERNELS):
+        with torch._inductor.config.patch(cpu_kernels()):
             return PendingRound(compiled_round()(self.target, self.drafter, self.state, self.tree, self.form).cpu())
 
 
@@ -778,7 +778,7 @@ def test_compiled_sampling_rounds_equal_eager_ones(tiny_llama):
     for fn in (run_round, compiled_round()):
         s = make_session(model, cfg, rule, draft_model=noisy_copy(model, 0.1))
         next(decode(s, torch.arange(3, 12), 2, rule, 3))
-        with torch.no_grad(), torch._inductor.config.patch(SCALAR_KERNELS):
+        with torch.no_grad(), torch._inductor.config.patch(cpu_kernels()):
             results.append(torch.stack([fn(s.target, s.drafter, s.state, cfg, rule.form)[0] for _ in range(6)]))
     div_sum = RoundResult.FIELDS.index("div_sum")
     others = [i for i in range(results[0].shape[1]) if i != div_sum]
