@@ -30,7 +30,8 @@ from eval.device.profile_round import export_trace, kernel_table, replay_ms  # n
 from fsd_eagle.api import SpeculativeGenerator  # noqa: E402
 from fsd_eagle.config import TreeConfig  # noqa: E402
 from fsd_eagle.jsonl import write_text_atomic  # noqa: E402
-from fsd_eagle.models import load_head  # noqa: E402
+from fsd_eagle.head import EagleHead, HeadConfig  # noqa: E402
+from fsd_eagle.models import load_head, read_head_config  # noqa: E402
 
 # SmolLM2-135M-Instruct's shape (its config.json)
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -49,11 +50,26 @@ class NoText:
         return ""
 
 
-def random_generator(dtype: torch.dtype) -> SpeculativeGenerator:
+def random_head(config: transformers.LlamaConfig) -> EagleHead:
+    """A random-weight head of the shipped head's shape (its config.json alone: arch, fused layers, draft
+    vocabulary), for runs whose tree carries no head weights. Round costs and compilation do not depend on the weights."""
+    shipped = read_head_config(HEAD)
+    cfg = dataclasses.replace(HeadConfig.for_target(config), arch=shipped["arch"], layers=tuple(shipped["layers"]),
+                              draft_vocab_size=shipped["draft_vocab_size"],
+                              intermediate_size=shipped["intermediate_size"])
+    return EagleHead(cfg)  # its vocabulary map starts as the first draft_vocab_size ids
+
+
+def random_generator(dtype: torch.dtype, random_weights_head: bool = False) -> SpeculativeGenerator:
+    """The default model's shape with random weights, and the shipped head (``random_weights_head``: a
+    random head of its shape, see ``random_head``), compiled."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**SHAPE)
     model = transformers.LlamaForCausalLM(config).to("cuda", dtype).eval()
-    head = load_head(HEAD, config, torch.device("cuda"), dtype)
+    if random_weights_head:
+        head = random_head(config).to("cuda", dtype).eval()
+    else:
+        head = load_head(HEAD, config, torch.device("cuda"), dtype)
     gen = SpeculativeGenerator(model, NoText(), head)
     gen.configure(compile=True)
     return gen
@@ -69,10 +85,12 @@ def main() -> None:
     p.add_argument("--children", default="top", help="comma-separated: top and/or sampled (sampling rows only)")
     p.add_argument("--kernels", type=int, default=20, help="kernels listed per round (0: no table)")
     p.add_argument("--trace", help="folder for a chrome trace of one replayed round per row")
+    p.add_argument("--random-head", action="store_true",
+                   help="a random head of the shipped head's shape (no head weights needed)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     temperatures = [float(x) for x in a.temperatures.split(",")]
-    gen = random_generator(torch.bfloat16)
+    gen = random_generator(torch.bfloat16, a.random_head)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": transformers.__version__, "command": "python " + " ".join(sys.argv), "rows": []}
     for b in (int(x) for x in a.batches.split(",")):

@@ -14,8 +14,8 @@ Per phase: the seconds of making the session and of its warm-up, dynamo's and in
 (``torch._dynamo.utils.compile_times``) and the cache counters (FX graph cache, AOTAutograd cache hits and
 misses; frames compiled), and what the folder of whole compiled functions (fsd_eagle.precompiled, the
 commands' default; ``--no-precompiled``: none) holds: saved files, and the variants that could not be packaged
-with why. Random-weight target of the default model's shape with the shipped head, so no
-model files are needed:
+with why. Random-weight target of the default model's shape with the shipped head (``--random-head``: a
+random head of its shape, so that not even the head's weights are needed), so no model files are needed:
 
     python eval/device/warm_rebuild.py --rows 1 --out $OUT/warm_rebuild.json
 
@@ -43,7 +43,7 @@ def counters() -> dict:
     return {k: {str(n): v for n, v in dynamo_counters[k].items()} for k in keep if k in dynamo_counters}
 
 
-def phase(name: str, rows: int, context: int, precompile: bool) -> dict:
+def phase(name: str, rows: int, context: int, precompile: bool, random_head: bool = False) -> dict:
     """One phase in this process (a child of ``main``)."""
     import torch
     import torch._dynamo
@@ -56,7 +56,7 @@ def phase(name: str, rows: int, context: int, precompile: bool) -> dict:
     from fsd_eagle.server.compiler import warm
     from torch._dynamo.utils import compile_times
 
-    gen = random_generator(torch.bfloat16)
+    gen = random_generator(torch.bfloat16, random_head)
     call = gen.prepare(list(range(100, 160)), max_new_tokens=32)
     out: dict = {"phase": name, "rows": rows, "context": context, "precompile": precompile}
     if name == "graph-first":
@@ -92,12 +92,14 @@ def main() -> int:
     p.add_argument("--cache", default=None, help="compile cache folder (default: a new temporary one)")
     p.add_argument("--no-precompiled", action="store_true",
                    help="keep no whole compiled functions (fsd_eagle.precompiled; by default they go to CACHE/functions)")
+    p.add_argument("--random-head", action="store_true",
+                   help="a random head of the shipped head's shape (no head weights needed)")
     p.add_argument("--out", required=True)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         name, precompile = a.child.split(":")
-        result = phase(name, a.rows, a.context, precompile == "1")
+        result = phase(name, a.rows, a.context, precompile == "1", a.random_head)
         Path(a.out).write_text(json.dumps(result, indent=1))
         return 0
     from fsd_eagle.jsonl import write_text_atomic
@@ -114,7 +116,7 @@ def main() -> int:
         child_out = answers / f"{name}.json"
         start = time.perf_counter()
         run = subprocess.run([sys.executable, __file__, "--rows", str(a.rows), "--context", str(a.context),
-                              "--out", str(child_out), "--child", f"{name}:{flag}"], env=env, capture_output=True,
+                              "--out", str(child_out), "--child", f"{name}:{flag}"] + ["--random-head"] * a.random_head, env=env, capture_output=True,
                              text=True)
         entry = json.loads(child_out.read_text()) if child_out.exists() else {"phase": name}
         entry["process_s"] = round(time.perf_counter() - start, 1)
