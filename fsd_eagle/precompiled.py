@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import platform
 import warnings
@@ -40,6 +41,9 @@ import torch
 #: process); unset or "0": none (functions compile lazily in each process, as torch.compile does).
 ENV = "FSD_EAGLE_PRECOMPILED"
 UNPACKABLE = "unpackable.txt"  # beside a variant's files: why its function could not be packaged
+#: Debug records of saved specializations that a call's arguments did not fit (with the guard that failed):
+#: why a process compiles again what an earlier one saved.
+log = logging.getLogger(__name__)
 
 
 def use_folder(folder: Path) -> Path:
@@ -151,6 +155,10 @@ class Precompiled:
         for compiled in self.loaded[where]:
             if compiled.guard_check(*args):
                 return compiled
+        if self.loaded[where] and log.isEnabledFor(logging.DEBUG):
+            for index, compiled in enumerate(self.loaded[where]):
+                log.debug("%s: saved specialization %d of %d in %s does not fit: %s", self.name, index + 1,
+                          len(self.loaded[where]), where, rejection(compiled, args))
         return None
 
     def _compile(self, where: Path, args: tuple):
@@ -173,6 +181,16 @@ class Precompiled:
         save(where, data)
         self.loaded.setdefault(where, []).append(compiled)
         return compiled
+
+
+def rejection(compiled, args: tuple) -> str:
+    """Why ``compiled`` (a loaded specialization whose ``guard_check`` rejects ``args``) does not fit them: a
+    checked call raises before running anything, with the failing guard in its message."""
+    try:
+        compiled(*args)
+    except RuntimeError as e:
+        return str(e).strip().replace("\n", " ")[:2000]
+    return "its guards accept the arguments now"
 
 
 def summary(error: Exception) -> str:

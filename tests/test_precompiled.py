@@ -158,6 +158,33 @@ def test_a_function_that_cannot_be_packaged_compiles_lazily_and_later_processes_
     assert len(calls) == 2 and not list(marker.parent.glob("*.pt"))
 
 
+def ours(caplog) -> list:
+    return [r for r in caplog.records if r.name == precompiled.log.name]
+
+
+@needs_packaging
+def test_a_saved_specialization_that_does_not_fit_is_logged_with_the_guard_that_failed(folder, caplog):
+    """A later process (a new Precompiled on the same folder) whose arguments the saved specialization's guards
+    reject compiles a new one, and says at debug level which guard rejected the old one: what tells why a
+    restart compiles again."""
+    def double(x):
+        return x * 2
+
+    def fresh():
+        return precompiled.Precompiled(double, "double", False, torch.compile(double), lambda *a: "v")
+
+    with torch._inductor.config.patch(cpu_kernels()):
+        assert fresh()(torch.ones(3)).tolist() == [2.0] * 3
+        with caplog.at_level("DEBUG", logger="fsd_eagle.precompiled"):
+            assert fresh()(torch.ones(3)).tolist() == [2.0] * 3  # loaded: fits, nothing logged
+            assert not ours(caplog)
+            assert fresh()(torch.ones(2, 5)).sum().item() == 20.0  # another shape: a new specialization
+    saved = list((folder / precompiled.environment() / "double" / "v").glob("*.pt"))
+    assert len(saved) == 2
+    [record] = ours(caplog)
+    assert "saved specialization 1 of 1" in record.getMessage() and "L['x']" in record.getMessage(), record.getMessage()
+
+
 def test_a_failure_is_summed_up_in_one_line_with_where_it_arose():
     error = RuntimeError('Unsupported context manager\n  Hint: ...\n\nfrom user code:\n   File "a.py", line 3, in f\n'
                          '    g()\n  File "b.py", line 9, in g\n    with lock:')

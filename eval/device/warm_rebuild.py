@@ -10,7 +10,8 @@ for the lanes). Each phase is its own process on one shared, initially empty com
 - ``precompile``: ``warm`` with dynamo's caching precompile on, where this torch has it (the cold phase
   then also runs with it, so that it writes dynamo's cache).
 
-Per phase: the seconds of making the session and of its warm-up, dynamo's and inductor's timers
+Per phase: the seconds of making the session and of its warm-up, the saved specializations it found and did
+not use (with the guard that rejected each: ``rejected``), dynamo's and inductor's timers
 (``torch._dynamo.utils.compile_times``) and the cache counters (FX graph cache, AOTAutograd cache hits and
 misses; frames compiled), and what the folder of whole compiled functions (fsd_eagle.precompiled, the
 commands' default; ``--no-precompiled``: none) holds: saved files, and the variants that could not be packaged
@@ -24,6 +25,7 @@ The result file is rewritten after every phase.
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -53,8 +55,13 @@ def phase(name: str, rows: int, context: int, precompile: bool, random_head: boo
             return {"phase": name, "skipped": "this torch has no torch._dynamo.config.caching_precompile"}
         torch._dynamo.config.caching_precompile = True
     from eval.device.round_cost import random_generator
+    from fsd_eagle import precompiled
     from fsd_eagle.server.compiler import warm
     from torch._dynamo.utils import compile_times
+
+    rejected = Rejections()  # saved specializations this process found and did not use, with why
+    precompiled.log.addHandler(rejected)
+    precompiled.log.setLevel(logging.DEBUG)
 
     gen = random_generator(torch.bfloat16, random_head)
     call = gen.prepare(list(range(100, 160)), max_new_tokens=32)
@@ -71,8 +78,20 @@ def phase(name: str, rows: int, context: int, precompile: bool, random_head: boo
     torch.cuda.synchronize()
     end = time.perf_counter()
     out.update(session_s=round(made - start, 2), warm_s=round(end - made, 2), total_s=round(end - start, 2),
-               mode=session.mode, compile_times=compile_times(repr="str", aggregate=True), counters=counters())
+               mode=session.mode, compile_times=compile_times(repr="str", aggregate=True), counters=counters(),
+               rejected=rejected.messages)
     return out
+
+
+class Rejections(logging.Handler):
+    """Keeps the messages of fsd_eagle.precompiled's debug records (saved specializations that did not fit)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:3000])
 
 
 def saved_functions(folder: Path) -> dict:
