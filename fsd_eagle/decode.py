@@ -25,7 +25,7 @@ from .ops import pick
 from .precompiled import Precompiled, describe
 from .rng import RandomStream
 from .sampling import RuleForm, RuleValues, choose
-from .target import Target
+from .target import Target, attention_flag_kept
 from .tree import DraftTree, draft_tree, root_tree
 from .verify import AcceptanceRule, Verdict, verify_tree
 
@@ -252,7 +252,8 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
     kernels compiled by one process (a warm-up, a ``FSD_EAGLE_COMPILE_CACHE`` file) would not serve another
     that runs the same plan; a size that no mark covers compiles again, static. Duck sizing (one symbol for
     dimensions that happen to be equal, such as a batch of 8 and a top-k of 8) is turned off while tracing:
-    it would tie the batch to the tree and compile again for the next size. With ``freezing()``, compiled
+    it would tie the batch to the tree and compile again for the next size. Every call keeps transformers'
+    attention flag as it was (``target.attention_flag_kept``). With ``freezing()``, compiled
     with inductor's freezing. Kernels of ``FSD_EAGLE_COMPILE_CACHE`` (fsd_eagle.compile_cache) are loaded
     first. ``batched``: a batched round (implies ``dynamic``); inductor's
     settings while compiling: ``inductor_settings``."""
@@ -265,14 +266,20 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
         compiled = Precompiled(fn, fn.__name__ + ("_batched" if batched else ""), None if dynamic else False,
                                compiled, variant_of)
     if not dynamic and not freeze:
-        return compiled
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with attention_flag_kept():
+                return compiled(*args, **kwargs)
+
+        return call
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         # Called for warm-ups and captures (graphs replay the rounds), so the patches cost nothing per round.
         with torch.fx.experimental._config.patch(use_duck_shape=not dynamic), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
-                torch._inductor.config.patch(inductor_settings(freeze, batched)), torch.no_grad():
+                torch._inductor.config.patch(inductor_settings(freeze, batched)), torch.no_grad(), \
+                attention_flag_kept():
             return compiled(*args, **kwargs)
 
     return call

@@ -9,7 +9,9 @@ entering the chosen decoder layers, captured in the same forward); the caller pi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 
 import torch
 from torch import nn
@@ -249,3 +251,31 @@ def install_capture_hooks(module: nn.Module) -> None:
     except ImportError:
         return
     maybe_install_capturing_hooks(module)
+
+
+@contextlib.contextmanager
+def attention_flag_kept():
+    """Within: the module-level flag that transformers' kernelized attention classes set before and reset
+    after each attention call (the ``kernels`` package's active-kernel variable, there where that package is
+    installed, as transformers 5.25 installs it) is put back on exit as it was on entry. Dynamo (torch 2.13)
+    drops an attribute assignment made after a FlexAttention call within a traced function, so a compiled
+    FlexAttention round replays the flag's set and not its reset and leaves it set; the next compilation of a
+    prefill or round then finds another value than the first did, fails its guards and compiles once more.
+    Around every compiled call (``decode._compile``), nothing compiles twice. Nothing to do where the package
+    is absent."""
+    flag = _attention_flag()
+    if flag is None:
+        yield
+        return
+    saved = flag.global_var, flag.uses_global_var
+    try:
+        yield
+    finally:
+        flag.global_var, flag.uses_global_var = saved
+
+
+def _attention_flag():
+    """The ``kernels`` package's active-kernel variable where it is loaded and has the known form, else None."""
+    module = sys.modules.get("kernels._internals.layer.layer")
+    flag = getattr(module, "_ACTIVE_KERNEL_FUNCS", None)
+    return flag if hasattr(flag, "global_var") and hasattr(flag, "uses_global_var") else None

@@ -6,7 +6,6 @@ share one instance each (treat them as read-only: ``copy.deepcopy`` before chang
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import sysconfig
@@ -283,33 +282,6 @@ class _Replay:
 
     def pool(self):  # a CUDA graph's memory pool handle (none on the CPU)
         return None
-
-
-@functools.cache
-def flex_drops_mutations() -> bool:
-    """Whether dynamo, tracing a function that sets an attribute, calls FlexAttention and sets it again, keeps
-    only the first value (torch 2.13 does). transformers' kernelized attention classes (with the ``kernels``
-    package, a dependency of transformers 5.25) set and reset a module-level flag around every attention
-    call, so a compiled FlexAttention round leaves that flag set: the next compilation of the same function
-    sees it changed and compiles once more."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    class Flag:
-        value = None
-
-    flag = Flag()
-
-    def traced(q):
-        flag.value = 1
-        out = flex_attention(q, q, q)
-        flag.value = None
-        return out
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.compile(traced, backend="eager")(torch.zeros(1, 1, 128, 16))
-    torch._dynamo.reset()
-    return flag.value is not None
 
 
 def gpu_session_on_the_cpu(monkeypatch, backend_of) -> None:

@@ -51,17 +51,15 @@ WARM_NEW_TOKENS = 24  # a prefill and a few rounds: every row runs a captured ro
 def warm(session: Session, call: PreparedCall, context: int) -> None:
     """Decode as the server's lanes do, so that the session compiles and captures what they later replay:
     an open-ended scheduler with the lane's caches (``context`` tokens per row: compiled code is specialised
-    to the cache size), in waves that reach each form of prefill a lane meets: a short prompt on every row
-    twice (where dynamo drops a mutation made after FlexAttention, the first FlexAttention round leaves a
-    flag set that later prefills guard on, so the second one compiles again: docs/benchmarks.md), then on
-    one row (a one-row prefill compiles apart from batched ones), then a prompt longer than
+    to the cache size), in waves that reach each form of prefill a lane meets: a short prompt on every row,
+    then on one row (a one-row prefill compiles apart from batched ones), then a prompt longer than
     ``attention.PACK_ROWS`` query rows per key/value head (prefill masks take another form there) on every
     row and on one; all cut from ``call``'s prompt (repeated as needed), under its rule, seed 0."""
     scheduler = Scheduler(session, [], session.batch, open_ended=True, max_len=Scheduler.cache_for(session, context))
     steps = scheduler.run()
     long = min(PACK_ROWS + 1, context - WARM_NEW_TOKENS)
     rows = session.batch
-    waves = [(8, rows), (8, rows), (8, 1), (long, rows), (long, 1)] if rows > 1 else [(8, 1), (8, 1), (long, 1)]
+    waves = [(8, rows), (8, 1), (long, rows), (long, 1)] if rows > 1 else [(8, 1), (long, 1)]
     for length, count in waves:
         prompt = call.prompt_ids.to(session.target.device).repeat(-(-length // len(call.prompt_ids)))[:length]
         if not scheduler.fits(len(prompt), WARM_NEW_TOKENS):
