@@ -109,7 +109,7 @@ def serializable_guards(entries) -> list[bool]:
 
     unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     return [not (e.is_global or e.guard_type in unsupported or unsupported.intersection(e.derived_guard_types)
-                 or (e.has_value and _local_class(e.value)) or "__closure__" in e.name)
+                 or (e.has_value and _local_class(e.value)) or "__closure__" in e.name or "__import__(" in e.name)
             for e in entries]
 
 
@@ -250,12 +250,23 @@ def load(path: Path, f_globals: dict | None = None):
     function), or None with a warning when it cannot be read back: a truncated or foreign file is only a
     cache entry, compiled again."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, _guard_sink():
             return torch.compiler.load_compiled_function(f, f_globals=f_globals)
     except Exception as e:  # noqa: BLE001 - unreadable cache entry
-        warnings.warn(f"{path}: not a compiled function this process can load ({type(e).__name__}); "
+        warnings.warn(f"{path}: not a compiled function this process can load ({summary(e)}); "
                       "it compiles again", stacklevel=2)
         return None
+
+
+def _guard_sink():
+    """A throwaway tracing context to load a function in. Its saved guard state can name a source that
+    installs a guard as it is rebuilt (dynamo's import source: in every function that calls FlexAttention,
+    whose arguments dynamo flattens with pytree and so guards on the order of pytree's node registry),
+    which outside a trace raises "TracingContext.get() must be called within an ongoing trace" (torch 2.11
+    to 2.13). What it installs there is dropped: the loaded function's guards are those saved with it."""
+    from torch._guards import TracingContext, tracing
+
+    return tracing(TracingContext(None))
 
 
 def describe(*values) -> str:

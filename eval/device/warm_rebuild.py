@@ -11,8 +11,8 @@ for the lanes). Each phase is its own process on one shared, initially empty com
   then also runs with it, so that it writes dynamo's cache).
 
 Per phase: the seconds of making the session and of its warm-up, the saved specializations it found and did
-not use (with the guard that rejected each: ``rejected``), dynamo's and inductor's timers
-(``torch._dynamo.utils.compile_times``) and the cache counters (FX graph cache, AOTAutograd cache hits and
+not use (with the guard that rejected each: ``rejected``) or could not load (``not_loaded``), dynamo's and
+inductor's timers (``torch._dynamo.utils.compile_times``) and the cache counters (FX graph cache, AOTAutograd cache hits and
 misses; frames compiled), and what the folder of whole compiled functions (fsd_eagle.precompiled, the
 commands' default; ``--no-precompiled``: none) holds: saved files, and the variants that could not be packaged
 with why. Random-weight target of the default model's shape with the shipped head (``--random-head``: a
@@ -143,6 +143,7 @@ def main() -> int:
             entry["error"] = run.stderr[-3000:]
         entry["precompiled"] = saved_functions(cache / "functions")
         entry["not_saved"] = [line.strip()[:600] for line in run.stderr.splitlines() if "compiled without saving" in line]
+        entry["not_loaded"] = [line.strip()[:600] for line in run.stderr.splitlines() if "this process can load" in line]
         result["phases"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k not in ("compile_times", "counters")}), flush=True)
         write_text_atomic(Path(a.out), json.dumps(result, indent=1))
