@@ -161,13 +161,16 @@ def test_a_function_that_cannot_be_packaged_compiles_lazily_and_later_processes_
 @needs_packaging
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 def test_a_function_that_calls_flex_attention_loads_back(folder, monkeypatch):
-    """A function that calls FlexAttention with a mask closing over a tensor (as a compiled round's tree
-    attention does) is saved, and a later process loads it and runs it without compiling: dynamo flattens
-    FlexAttention's arguments with pytree, so the saved guards name pytree's node registry through an import,
-    which only loads within a tracing context (``precompiled.load``)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    """A function that attends through FlexAttention (``attention.attend`` with a BlockMask whose mask closes
+    over a tensor, as a compiled round's tree attention does) is saved, and a later process loads it and runs
+    it without compiling: dynamo flattens FlexAttention's arguments with pytree, so the saved guards name
+    pytree's node registry through an import, which only loads within a tracing context
+    (``precompiled.load``)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
-    def attend(q, dense):
+    from fsd_eagle.attention import attend
+
+    def attend_under_mask(q, k, v, dense):
         def mask_mod(b, h, q_idx, kv_idx):
             return dense[q_idx, kv_idx]
 
@@ -175,21 +178,22 @@ def test_a_function_that_calls_flex_attention_loads_back(folder, monkeypatch):
         index = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
         mask = BlockMask.from_kv_blocks(ones, index, BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(128, 128),
                                         compute_q_blocks=False)
-        return flex_attention(q, q, q, block_mask=mask)
+        return attend(q, k, v, mask)
 
     def fresh():  # as in a new process: nothing loaded yet
-        return precompiled.Precompiled(attend, "attend", False, torch.compile(attend), lambda *a: "v")
+        return precompiled.Precompiled(attend_under_mask, "attend", False, torch.compile(attend_under_mask),
+                                       lambda *a: "v")
 
-    q = torch.randn(1, 1, 128, 16)
+    q, k, v = torch.randn(3, 1, 1, 128, 16)
     dense = torch.ones(128, 128, dtype=torch.bool).tril()
     with torch._inductor.config.patch(cpu_kernels("flex")):
-        first = fresh()(q, dense)
+        first = fresh()(q, k, v, dense)
         saved = sorted(folder.rglob("*.pt"))
         assert len(saved) == 1
         with monkeypatch.context() as m, warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*compiles again")  # a file it cannot load: fail
             m.setattr(precompiled.Precompiled, "_compile", lambda *a: pytest.fail("compiled again"))
-            again = fresh()(q, dense)
+            again = fresh()(q, k, v, dense)
     assert sorted(folder.rglob("*.pt")) == saved
     torch.testing.assert_close(again, first)
 
