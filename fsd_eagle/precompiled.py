@@ -101,10 +101,10 @@ def environment() -> str:
 def serializable_guards(entries) -> list[bool]:
     """The guard filter of a packaged function: keep the guards that can be saved and checked in another
     process. Left out: dynamo's own list of those that cannot be saved (identity, closure, module and
-    dictionary-version guards), guards on module globals (resolved in the loading process against other
-    objects), on objects of classes defined inside functions, and on what a function's closure holds (a
-    loaded function's cells are not the original's: e.g. the function wrappers that the ``kernels``
-    package puts into transformers' attention layers)."""
+    dictionary-version guards), guards on module globals and on what an import names (resolved in the
+    loading process against other objects), on objects of classes defined inside functions, and on what a
+    function's closure holds (a loaded function's cells are not the original's: e.g. the function wrappers
+    that the ``kernels`` package puts into transformers' attention layers)."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)

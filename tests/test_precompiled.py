@@ -81,8 +81,9 @@ def test_guards_that_cannot_be_saved_are_left_out():
         entry("TENSOR_MATCH", torch.zeros(1)), entry("ID_MATCH", 1), entry("TYPE_MATCH", Local()),
         entry("CONSTANT_MATCH", 3, is_global=True), entry("TYPE_MATCH", 3, derived=("ID_MATCH",)),
         entry("EQUALS_MATCH", "sdpa"), entry("SEQUENCE_LENGTH", (1,)),
-        dataclasses.replace(entry("SEQUENCE_LENGTH", (1,)), name="f.__closure__[0].cell_contents.__defaults__")])
-    assert kept == [True, False, False, False, False, True, True, False]
+        dataclasses.replace(entry("SEQUENCE_LENGTH", (1,)), name="f.__closure__[0].cell_contents.__defaults__"),
+        dataclasses.replace(entry("LENGTH_CHECK", (1,)), name="len(__import__('torch').utils._pytree.SUPPORTED_NODES)")])
+    assert kept == [True, False, False, False, False, True, True, False, False]
 
 
 @needs_packaging
