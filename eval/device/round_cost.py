@@ -52,7 +52,8 @@ class NoText:
 
 def random_head(config: transformers.LlamaConfig) -> EagleHead:
     """A random-weight head of the shipped head's shape (its config.json alone: arch, fused layers, draft
-    vocabulary), for runs whose tree carries no head weights. Round costs and compilation do not depend on the weights."""
+    vocabulary), for runs whose tree carries no head weights: round costs and compilation do not depend on
+    the weights."""
     shipped = read_head_config(HEAD)
     cfg = dataclasses.replace(HeadConfig.for_target(config), arch=shipped["arch"], layers=tuple(shipped["layers"]),
                               draft_vocab_size=shipped["draft_vocab_size"],
