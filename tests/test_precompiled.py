@@ -82,7 +82,8 @@ def test_guards_that_cannot_be_saved_are_left_out():
         entry("CONSTANT_MATCH", 3, is_global=True), entry("TYPE_MATCH", 3, derived=("ID_MATCH",)),
         entry("EQUALS_MATCH", "sdpa"), entry("SEQUENCE_LENGTH", (1,)),
         dataclasses.replace(entry("SEQUENCE_LENGTH", (1,)), name="f.__closure__[0].cell_contents.__defaults__"),
-        dataclasses.replace(entry("LENGTH_CHECK", (1,)), name="len(__import__('torch').utils._pytree.SUPPORTED_NODES)")])
+        dataclasses.replace(entry("LENGTH_CHECK", (1,)),
+                            name="len(__import__('torch').utils._pytree.SUPPORTED_NODES)")])
     assert kept == [True, False, False, False, False, True, True, False, False]
 
 

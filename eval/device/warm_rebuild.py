@@ -12,8 +12,8 @@ for the lanes). Each phase is its own process on one shared, initially empty com
 
 Per phase: the seconds of making the session and of its warm-up, the saved specializations it found and did
 not use (with the guard that rejected each: ``rejected``) or could not load (``not_loaded``), dynamo's and
-inductor's timers (``torch._dynamo.utils.compile_times``) and the cache counters (FX graph cache, AOTAutograd cache hits and
-misses; frames compiled), and what the folder of whole compiled functions (fsd_eagle.precompiled, the
+inductor's timers (``torch._dynamo.utils.compile_times``) and the cache counters (FX graph cache,
+AOTAutograd cache hits and misses; frames compiled), and what the folder of whole compiled functions (fsd_eagle.precompiled, the
 commands' default; ``--no-precompiled``: none) holds: saved files, and the variants that could not be packaged
 with why. Random-weight target of the default model's shape with the shipped head (``--random-head``: a
 random head of its shape, so that not even the head's weights are needed), so no model files are needed:
@@ -134,16 +134,17 @@ def main() -> int:
         flag = "1" if name == "precompile" or (name == "cold" and precompile_cold) else "0"
         child_out = answers / f"{name}.json"
         start = time.perf_counter()
-        run = subprocess.run([sys.executable, __file__, "--rows", str(a.rows), "--context", str(a.context),
-                              "--out", str(child_out), "--child", f"{name}:{flag}"] + ["--random-head"] * a.random_head, env=env, capture_output=True,
-                             text=True)
+        child = [sys.executable, __file__, "--rows", str(a.rows), "--context", str(a.context), "--out", str(child_out),
+                 "--child", f"{name}:{flag}"] + ["--random-head"] * a.random_head
+        run = subprocess.run(child, env=env, capture_output=True, text=True)
         entry = json.loads(child_out.read_text()) if child_out.exists() else {"phase": name}
         entry["process_s"] = round(time.perf_counter() - start, 1)
         if run.returncode:
             entry["error"] = run.stderr[-3000:]
         entry["precompiled"] = saved_functions(cache / "functions")
-        entry["not_saved"] = [line.strip()[:600] for line in run.stderr.splitlines() if "compiled without saving" in line]
-        entry["not_loaded"] = [line.strip()[:600] for line in run.stderr.splitlines() if "this process can load" in line]
+        lines = [line.strip()[:600] for line in run.stderr.splitlines()]
+        entry["not_saved"] = [line for line in lines if "compiled without saving" in line]
+        entry["not_loaded"] = [line for line in lines if "this process can load" in line]
         result["phases"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k not in ("compile_times", "counters")}), flush=True)
         write_text_atomic(Path(a.out), json.dumps(result, indent=1))
