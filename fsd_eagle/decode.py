@@ -6,6 +6,7 @@ its root alone. Everything here is device code without host syncs; ``fsd_eagle.s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -265,21 +266,17 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
     if not freeze and not _tensor_parallel():  # kept whole on disk where a folder is set (fsd_eagle.precompiled)
         compiled = Precompiled(fn, fn.__name__ + ("_batched" if batched else ""), None if dynamic else False,
                                compiled, variant_of)
-    if not dynamic and not freeze:
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            with attention_flag_kept():
-                return compiled(*args, **kwargs)
-
-        return call
+    patched = dynamic or freeze  # static rounds compile with torch's defaults
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         # Called for warm-ups and captures (graphs replay the rounds), so the patches cost nothing per round.
-        with torch.fx.experimental._config.patch(use_duck_shape=not dynamic), \
-                torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
-                torch._inductor.config.patch(inductor_settings(freeze, batched)), torch.no_grad(), \
-                attention_flag_kept():
+        with attention_flag_kept(), contextlib.ExitStack() as settings:
+            if patched:
+                settings.enter_context(torch.fx.experimental._config.patch(use_duck_shape=not dynamic))
+                settings.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False))
+                settings.enter_context(torch._inductor.config.patch(inductor_settings(freeze, batched)))
+                settings.enter_context(torch.no_grad())
             return compiled(*args, **kwargs)
 
     return call
