@@ -1,5 +1,6 @@
 """Serving benchmark: ``fsd-eagle serve`` with speculation, the same server with ``speculative: false``,
-and optionally ``transformers serve --continuous-batching``, on one machine and model, under the same load.
+and optionally ``transformers serve --continuous-batching`` (``--hf``), also with ``--compile``
+(``--hf-compile``), on one machine and model, under the same load.
 
     python -m eval serve --concurrency 1,8,32,64 --rate 8 --max-tokens 256 --out eval/results/FILE.json
 
@@ -283,6 +284,22 @@ class Variant:
     extra: dict = field(default_factory=dict)
 
 
+def servers_and_variants(ours: list[str], args: argparse.Namespace) -> tuple[dict, list[Variant]]:
+    """The servers to start ({name: (command, model that requests name, health route)}) and the table's
+    columns: ours with and without speculation; with ``--hf``, ``transformers serve`` (``--hf-command``); with
+    ``--hf-compile`` also that command with ``--compile`` (torch.compile in transformers serve)."""
+    servers = {"fsd-eagle": (ours, None, "/health")}
+    variants = [Variant("speculative", "fsd-eagle"), Variant("plain", "fsd-eagle", {"speculative": False})]
+    if args.hf or args.hf_compile:
+        hf = [("transformers", "transformers serve", [])] if args.hf else []
+        if args.hf_compile:
+            hf.append(("transformers-compile", "transformers serve --compile", ["--compile"]))
+        for name, column, extra in hf:
+            servers[name] = (shlex.split(args.hf_command) + extra, args.hf_model, args.hf_health)
+            variants.append(Variant(column, name))
+    return servers, variants
+
+
 def run(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     logs = out.with_suffix(".logs")
@@ -292,14 +309,10 @@ def run(args: argparse.Namespace) -> dict:
     ours = [sys.executable, "-m", "fsd_eagle.cli", "serve", "--port", "{port}", "--max-batch", str(args.max_batch or most),
             "--max-queue", str(max(256, 4 * most)), "--max-model-len", str(args.max_model_len), "--quiet",
             *args.serve_args]
-    servers = {"fsd-eagle": (ours, None, "/health")}
+    servers, variants = servers_and_variants(ours, args)
     compiling = "--no-compile" not in args.serve_args  # on a GPU our server compiles rounds in the background
     cache = Path(args.compile_cache) if args.compile_cache else logs / "compile-cache"
     cache_env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
-    variants = [Variant("speculative", "fsd-eagle"), Variant("plain", "fsd-eagle", {"speculative": False})]
-    if args.hf:
-        servers["transformers"] = (shlex.split(args.hf_command), args.hf_model, args.hf_health)
-        variants.append(Variant("transformers serve", "transformers"))
     header = {"benchmark": "serving", "date": datetime.date.today().isoformat(), "code": git_commit(short=True),
               "command": "python -m eval serve " + " ".join(shlex.quote(a) for a in args.argv),
               "device": device_name(), "versions": versions(), "max_tokens": args.max_tokens,
@@ -318,7 +331,7 @@ def run(args: argparse.Namespace) -> dict:
             header.setdefault("start_s", {})[name] = round(server.started_s, 1)
             for variant in (v for v in variants if v.server == name):
                 for kind, level in levels:
-                    n = args.hf_requests if name == "transformers" and args.hf_requests else args.requests
+                    n = args.hf_requests if name != "fsd-eagle" and args.hf_requests else args.requests
                     count = max(n, 2 * level) if kind == "closed" else n
                     texts = prompts(count + (level if kind == "closed" else 0))
                     bodies = [chat_body(model, t, args.max_tokens, **variant.extra) for t in texts]
@@ -409,8 +422,8 @@ def mixed_fsd(port: int, args: argparse.Namespace) -> dict:
 
 
 def ratios(result: dict) -> dict:
-    """Add, per level, speculation's output tokens/s over the plain server's and over transformers serve's,
-    and its TPOT p50 over the plain server's."""
+    """Add, per level, speculation's output tokens/s over the plain server's and over transformers serve's
+    (without and with ``--compile``), and its TPOT p50 over the plain server's."""
     rows = result["rows"]
     key = lambda r: (r["load"], r.get("concurrency", r.get("rate")))  # noqa: E731
     by = {(r["server"], key(r)): r for r in rows}
@@ -418,14 +431,17 @@ def ratios(result: dict) -> dict:
     for r in rows:
         if r["server"] != "speculative":
             continue
-        plain, hf = by.get(("plain", key(r))), by.get(("transformers serve", key(r)))
+        plain = by.get(("plain", key(r)))
         entry = {"load": r["load"], "level": key(r)[1]}
         if plain and plain["output_tokens_per_s"]:
             entry["vs_plain_tokens_per_s"] = round(r["output_tokens_per_s"] / plain["output_tokens_per_s"], 3)
             if plain["tpot_ms_p50"] and r["tpot_ms_p50"]:
                 entry["tpot_p50_vs_plain"] = round(r["tpot_ms_p50"] / plain["tpot_ms_p50"], 3)
-        if hf and hf["output_tokens_per_s"]:
-            entry["vs_transformers_tokens_per_s"] = round(r["output_tokens_per_s"] / hf["output_tokens_per_s"], 3)
+        for column, ratio in (("transformers serve", "vs_transformers_tokens_per_s"),
+                              ("transformers serve --compile", "vs_transformers_compile_tokens_per_s")):
+            hf = by.get((column, key(r)))
+            if hf and hf["output_tokens_per_s"]:
+                entry[ratio] = round(r["output_tokens_per_s"] / hf["output_tokens_per_s"], 3)
         table.append(entry)
     return {**result, "ratios": table}
 
@@ -461,6 +477,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-args", type=shlex.split, default=[],
                    help="more options of fsd-eagle serve, as one string (e.g. \"--compile --device cuda\")")
     p.add_argument("--hf", action="store_true", help="also measure transformers serve --continuous-batching")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also measure transformers serve with --compile (the --hf-command plus --compile)")
     p.add_argument("--hf-command", default=HF_COMMAND,
                    help="its command ({port} and {python}, this Python, are filled in; add the model folder to preload "
                         "it, and its options)")
@@ -486,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     args.argv = argv
-    if args.hf and not args.hf_model:
-        print("error: --hf needs --hf-model (the model folder that transformers serve loads)", file=sys.stderr)
+    if (args.hf or args.hf_compile) and not args.hf_model:
+        print("error: --hf and --hf-compile need --hf-model (the model folder that transformers serve loads)",
+              file=sys.stderr)
         return 2
     try:
         result = run(args)

@@ -595,6 +595,31 @@ def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_pa
     assert all(g["errors"] == 0 and g["requests"] == 2 and g["tau_mean"] >= 1 for g in mixed["groups"].values())
 
 
+def test_the_serving_benchmark_measures_transformers_serve_with_compile_as_its_own_column():
+    """``--hf-compile`` starts transformers serve a second time with ``--compile`` (alone, without ``--hf``, only
+    that one), and speculation's ratio against each transformers column is its own entry."""
+    from eval import serve
+
+    def columns(*flags: str) -> tuple[dict, list[str]]:
+        args = serve.parser().parse_args([*flags, "--hf-model", "m", "--out", "x.json"])
+        servers, variants = serve.servers_and_variants(["ours"], args)
+        return servers, [v.name for v in variants]
+
+    servers, names = columns("--hf", "--hf-compile")
+    assert names == ["speculative", "plain", "transformers serve", "transformers serve --compile"]
+    assert servers["transformers-compile"][0] == servers["transformers"][0] + ["--compile"]
+    assert "--compile" not in servers["transformers"][0]
+    servers, names = columns("--hf-compile")
+    assert names[2:] == ["transformers serve --compile"] and set(servers) == {"fsd-eagle", "transformers-compile"}
+    assert columns()[1] == ["speculative", "plain"]
+    rows = [{"server": name, "load": "closed", "concurrency": 8, "output_tokens_per_s": tps, "tpot_ms_p50": ms}
+            for name, tps, ms in (("speculative", 300.0, 1.0), ("plain", 100.0, 4.0), ("transformers serve", 50.0, 9.0),
+                                  ("transformers serve --compile", 150.0, 3.0))]
+    assert serve.ratios({"rows": rows})["ratios"] == [
+        {"load": "closed", "level": 8, "vs_plain_tokens_per_s": 3.0, "tpot_p50_vs_plain": 0.25,
+         "vs_transformers_tokens_per_s": 6.0, "vs_transformers_compile_tokens_per_s": 2.0}]
+
+
 def test_the_compiling_process_fills_the_cache_for_each_configuration_once(tmp_path):
     """The worker process (``python -m fsd_eagle.server.compiler``) loads the model its options name, makes
     each configuration asked once and answers; on the CPU its "compiled" session is the plain one, so this

@@ -7,7 +7,8 @@
 # Each command moves its piece into place (eval/device/assemble.sh); once everything is installed, the first
 # command starts the benchmark as one background process (a copy of the code under $RES/code), and every
 # command then waits up to $WAIT seconds (default 540, or until the run ends) and copies the result file
-# (rewritten after every level) and the logs to $OUT. HF=0 leaves transformers serve out.
+# (rewritten after every level) and the logs to $OUT. HF=0 leaves transformers serve out; HF_COMPILE=1 also
+# measures it with --compile.
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -23,6 +24,7 @@ if needs_start; then
   hf=()
   if [ "${HF:-1}" = 1 ]; then
     hf=(--hf --hf-model "$model" --hf-command "{python} -m transformers.cli.transformers serve --continuous-batching --host 127.0.0.1 --port {port} $model")
+    if [ "${HF_COMPILE:-0}" = 1 ]; then hf+=(--hf-compile); fi
   fi
   (cd "$RES/code" && PYTHONPATH="$RES/code" setsid nohup bash -c 'echo $$ > "$0/pid";
       python3 -m eval serve "${@}" --out "$0/gpu_serve.json" >> "$0/log" 2>&1; echo $? > "$0/rc"' \
