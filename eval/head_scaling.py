@@ -4,6 +4,7 @@ per trained head, with the stop rule's verdict per axis.
     python -m eval head-scaling add --name data-2x --axis data --loss-tokens 28.0e6 --steps 5000 \\
         --gpu-seconds 1500 --mt-bench tau_mt.json [--spec-bench tau_sb.json] --recipe RECIPE.json \\
         --device "NVIDIA H200" --code abc1234 --command "eval/device/head.sh ..."
+    python -m eval head-scaling spec-bench --name data-2x tau_sb.json   # measured apart from the training run
     python -m eval head-scaling show
 
 ``add`` also redraws the study's figure (``docs/figures/head_scaling.svg``: tau against loss tokens and
@@ -94,8 +95,8 @@ def verdicts(points: list[dict]) -> dict:
     return result
 
 
-def read_tau(path: Path) -> dict:
-    """A ``python -m eval tau`` result: {"tau": {"all": ..., category: ...}, ...}."""
+def read_result(path: Path) -> dict:
+    """A ``python -m eval tau`` result: {"tau": {"all": ..., category: ...}, "questions": ..., "run": ...}."""
     try:
         data = json.loads(Path(path).read_text())
         tau = data["tau"]
@@ -105,7 +106,37 @@ def read_tau(path: Path) -> dict:
         raise InputError(f"cannot read the tau result {path}: {e}") from None
     except (KeyError, TypeError):
         raise InputError(f"{path} is not a result of 'python -m eval tau' (no tau.all)") from None
-    return {k: float(v) for k, v in tau.items()}
+    return data
+
+
+def read_tau(path: Path) -> dict:
+    """The tau of a ``python -m eval tau`` result, overall ("all") and per category."""
+    return {k: float(v) for k, v in read_result(path)["tau"].items()}
+
+
+def spec_bench_fields(path: Path) -> dict:
+    """A point's Spec-Bench fields from a ``python -m eval tau`` result: tau overall and per category, how many
+    questions it decoded (a ``--per-category`` subset decodes fewer than the 480) and how it ran (device,
+    dtype, date, code, command, versions: its ``run`` record), which may differ from the point's training run."""
+    data, tau = read_result(path), read_tau(path)
+    fields = {"spec_bench_tau": tau["all"], "spec_bench_by_category": {k: v for k, v in tau.items() if k != "all"}}
+    questions = data.get("questions")
+    if isinstance(questions, dict) and isinstance(questions.get("all"), int):
+        fields["spec_bench_questions"] = questions["all"]
+    if isinstance(data.get("run"), dict):
+        fields["spec_bench_run"] = data["run"]
+    return fields
+
+
+def attach_spec_bench(study: dict, name: str, path: Path) -> dict:
+    """The study with the Spec-Bench fields of ``path`` written into its point ``name`` (replacing any)."""
+    if not any(p["name"] == name for p in study["points"]):
+        known = ", ".join(p["name"] for p in study["points"]) or "none"
+        raise InputError(f"the study has no point named {name!r} (points: {known})")
+    fields = spec_bench_fields(path)
+    study["points"] = [{**{k: v for k, v in p.items() if not k.startswith("spec_bench")}, **fields}
+                       if p["name"] == name else p for p in study["points"]]
+    return study
 
 
 def load_study(path: Path) -> dict:
@@ -144,8 +175,7 @@ def add(args: argparse.Namespace) -> dict:
              "recipe": args.recipe, "device": args.device, "date": args.date, "code": args.code,
              "command": args.command, "note": args.note}
     if args.spec_bench:
-        sb = read_tau(args.spec_bench)
-        point.update(spec_bench_tau=sb["all"], spec_bench_by_category={k: v for k, v in sb.items() if k != "all"})
+        point.update(spec_bench_fields(args.spec_bench))
     point = {k: v for k, v in point.items() if v is not None}
     study["points"] = [p for p in study["points"] if p["name"] != args.name] + [point]
     study["verdicts"] = verdicts(study["points"])
@@ -193,14 +223,16 @@ def write_figure(study: dict, path: Path) -> bool:
 
 
 def show(study: dict) -> str:
-    lines = [f"{'point':<22} {'axis':<9} {'loss tokens':>12} {'steps':>7} {'GPU s':>7} {'MT-bench tau':>13}"]
+    lines = [f"{'point':<22} {'axis':<9} {'loss tokens':>12} {'steps':>7} {'GPU s':>7} {'MT-bench tau':>13} "
+             f"{'Spec-Bench tau':>15}"]
 
     def cell(value, width: int) -> str:
         return f"{value:>{width},.0f}" if value is not None else f"{'-':>{width}}"
 
     for p in sorted(study["points"], key=lambda p: (p["axis"], p.get("loss_tokens") or 0, p.get("steps") or 0)):
         lines.append(f"{p['name']:<22} {p['axis']:<9} {cell(p.get('loss_tokens'), 12)} {cell(p.get('steps'), 7)} "
-                     f"{cell(p.get('gpu_seconds'), 7)} {p['mt_bench_tau']:>13.3f}")
+                     f"{cell(p.get('gpu_seconds'), 7)} {p['mt_bench_tau']:>13.3f} "
+                     + (f"{p['spec_bench_tau']:>15.3f}" if "spec_bench_tau" in p else f"{'-':>15}"))
     for axis, v in (study.get("verdicts") or {}).items():
         if axis == "capacity":
             lines += [f"capacity {c['name']}: {c['verdict']}" for c in v]
@@ -232,6 +264,10 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--note")
     a.add_argument("--file", type=Path, default=DEFAULT_FILE)
     a.add_argument("--figure", type=Path, default=DEFAULT_FIGURE, help="the SVG figure redrawn from the study")
+    b = sub.add_parser("spec-bench", help="write a point's Spec-Bench tau, measured apart from its training run")
+    b.add_argument("--name", required=True, help="the point")
+    b.add_argument("result", type=Path, help="python -m eval tau --questions spec_bench's result")
+    b.add_argument("--file", type=Path, default=DEFAULT_FILE)
     s = sub.add_parser("show", help="the study's points and verdicts")
     s.add_argument("--file", type=Path, default=DEFAULT_FILE)
     return p
@@ -245,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
             if write_figure(study, args.figure):
                 print(f"wrote {args.figure}", file=sys.stderr)
+        elif args.command_name == "spec-bench":
+            study = attach_spec_bench(load_study(args.file), args.name, args.result)
+            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
         else:
             study = load_study(args.file)
     except InputError as e:

@@ -105,3 +105,31 @@ def test_a_figure_not_drawn_by_it_is_not_replaced(tmp_path, capsys):
                  "--figure", str(figure), "--mt-bench", str(_tau(tmp_path / "a.json", 3.0))]) == 2
     assert figure.read_text() == "<svg>someone else's</svg>"
     assert "not drawn by this command" in capsys.readouterr().err
+
+
+def test_spec_bench_is_written_into_an_existing_point_with_how_it_ran(tmp_path, capsys):
+    """``spec-bench`` adds a point's Spec-Bench tau measured apart from its training run: tau by category,
+    the questions decoded and the tau file's run record; a second result replaces the first; an unknown
+    point is refused in one line and leaves the study as it was."""
+    study = tmp_path / "head_scaling.json"
+    assert main(["add", "--name", "s1k", "--axis", "steps", "--steps", "1000", "--file", str(study), "--figure",
+                 str(tmp_path / "f.svg"), "--device", "GPU", "--mt-bench", str(_tau(tmp_path / "m.json", 2.6))]) == 0
+    result = _tau(tmp_path / "sb.json", 2.5, qa=2.7, rag=2.2)
+    data = json.loads(result.read_text())
+    data.update(questions={"all": 52, "qa": 4, "rag": 4}, run={"device": "CPU (x86_64, 2 cores)", "code": "abc"})
+    result.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["spec-bench", "--name", "s1k", str(result), "--file", str(study)]) == 0
+    (point,) = json.loads(study.read_text())["points"]
+    assert point["spec_bench_tau"] == 2.5 and point["spec_bench_by_category"] == {"qa": 2.7, "rag": 2.2}
+    assert point["spec_bench_questions"] == 52 and point["spec_bench_run"]["device"] == "CPU (x86_64, 2 cores)"
+    assert point["device"] == "GPU" and point["mt_bench_tau"] == 2.6  # the training run's fields stay
+    assert "2.500" in capsys.readouterr().out
+    assert main(["spec-bench", "--name", "s1k", str(_tau(tmp_path / "sb2.json", 2.4)), "--file", str(study)]) == 0
+    (point,) = json.loads(study.read_text())["points"]
+    assert point["spec_bench_tau"] == 2.4 and "spec_bench_questions" not in point and "spec_bench_run" not in point
+    before = study.read_text()
+    assert main(["spec-bench", "--name", "s9k", str(result), "--file", str(study)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no point named 's9k'" in err[0] and "s1k" in err[0]
+    assert study.read_text() == before
