@@ -128,6 +128,9 @@ def _register():
     chunk_topk, merge_topk = jit_kernels()
     states = jit_rejection_states()
     draw = jit_pool_draw()
+    # A compiled round kept on disk (fsd_eagle.precompiled) names each kernel it launches by its module and
+    # name; bound here as attributes of this module, they are found when a new process loads the round.
+    globals().update({kernel.fn.__name__: kernel for kernel in (chunk_topk, merge_topk, states, draw)})
 
     @triton_op("fsd_eagle::topk", mutates_args=())
     def triton_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
