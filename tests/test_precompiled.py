@@ -232,3 +232,19 @@ def test_a_failure_is_summed_up_in_one_line_with_where_it_arose():
                          '    g()\n  File "b.py", line 9, in g\n    with lock:')
     assert precompiled.summary(error) == 'RuntimeError: Unsupported context manager at File "b.py", line 9, in g'
     assert precompiled.summary(ValueError("bad")) == "ValueError: bad"
+
+
+def test_the_triton_kernels_are_found_by_their_module_and_name():
+    """A saved compiled round names each Triton kernel it launches by its module and name, and a new process
+    looks it up there: every kernel of fsd_eagle.kernels is an attribute of that module under its own name
+    (kernels made inside a factory function were not, and a restart on a GPU compiled the round again). Needs
+    Triton (GPU hosts)."""
+    pytest.importorskip("triton")
+    from fsd_eagle import kernels
+
+    made = [*kernels.jit_kernels(), kernels.jit_rejection_states(), kernels.jit_pool_draw()]
+    for kernel in made:
+        name = kernel.fn.__name__
+        assert kernel.fn.__module__ == kernels.__name__
+        bound = getattr(kernels, name, None)
+        assert bound is not None and bound.fn.__name__ == name, name
