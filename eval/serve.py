@@ -290,13 +290,12 @@ def servers_and_variants(ours: list[str], args: argparse.Namespace) -> tuple[dic
     ``--hf-compile`` also that command with ``--compile`` (torch.compile in transformers serve)."""
     servers = {"fsd-eagle": (ours, None, "/health")}
     variants = [Variant("speculative", "fsd-eagle"), Variant("plain", "fsd-eagle", {"speculative": False})]
-    if args.hf or args.hf_compile:
-        hf = [("transformers", "transformers serve", [])] if args.hf else []
-        if args.hf_compile:
-            hf.append(("transformers-compile", "transformers serve --compile", ["--compile"]))
-        for name, column, extra in hf:
-            servers[name] = (shlex.split(args.hf_command) + extra, args.hf_model, args.hf_health)
-            variants.append(Variant(column, name))
+    hf = [("transformers", "transformers serve", [])] if args.hf else []
+    if args.hf_compile:
+        hf.append(("transformers-compile", "transformers serve --compile", ["--compile"]))
+    for name, column, extra in hf:
+        servers[name] = (shlex.split(args.hf_command) + extra, args.hf_model, args.hf_health)
+        variants.append(Variant(column, name))
     return servers, variants
 
 
