@@ -96,7 +96,8 @@ def verdicts(points: list[dict]) -> dict:
 
 
 def read_result(path: Path) -> dict:
-    """A ``python -m eval tau`` result: {"tau": {"all": ..., category: ...}, "questions": ..., "run": ...}."""
+    """A ``python -m eval tau`` result: {"tau": {"all": ..., category: ...}, "questions": ..., "run": ...},
+    its tau values as floats."""
     try:
         data = json.loads(Path(path).read_text())
         tau = data["tau"]
@@ -106,19 +107,24 @@ def read_result(path: Path) -> dict:
         raise InputError(f"cannot read the tau result {path}: {e}") from None
     except (KeyError, TypeError):
         raise InputError(f"{path} is not a result of 'python -m eval tau' (no tau.all)") from None
+    try:
+        data["tau"] = {k: float(v) for k, v in tau.items()}
+    except (TypeError, ValueError):
+        raise InputError(f"{path}: a tau value is not a number") from None
     return data
 
 
 def read_tau(path: Path) -> dict:
     """The tau of a ``python -m eval tau`` result, overall ("all") and per category."""
-    return {k: float(v) for k, v in read_result(path)["tau"].items()}
+    return read_result(path)["tau"]
 
 
 def spec_bench_fields(path: Path) -> dict:
     """A point's Spec-Bench fields from a ``python -m eval tau`` result: tau overall and per category, how many
     questions it decoded (a ``--per-category`` subset decodes fewer than the 480) and how it ran (device,
     dtype, date, code, command, versions: its ``run`` record), which may differ from the point's training run."""
-    data, tau = read_result(path), read_tau(path)
+    data = read_result(path)
+    tau = data["tau"]
     fields = {"spec_bench_tau": tau["all"], "spec_bench_by_category": {k: v for k, v in tau.items() if k != "all"}}
     questions = data.get("questions")
     if isinstance(questions, dict) and isinstance(questions.get("all"), int):

@@ -81,10 +81,12 @@ def test_add_writes_replaces_and_draws(tmp_path, capsys):
     (["--axis", "steps", "--steps", "10", "--file", "list.json"], "list.json is not a head-scaling study"),
     (["--axis", "steps", "--steps", "10", "--mt-bench", "missing.json"], "cannot read the tau result"),
     (["--axis", "steps", "--steps", "10", "--mt-bench", "not_tau.json"], "is not a result of 'python -m eval tau'"),
+    (["--axis", "steps", "--steps", "10", "--mt-bench", "word_tau.json"], "a tau value is not a number"),
 ])
 def test_bad_points_are_refused_in_one_line(tmp_path, capsys, monkeypatch, args, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "not_tau.json").write_text('{"rows": []}')
+    (tmp_path / "word_tau.json").write_text('{"tau": {"all": 3.0, "qa": "high"}}')
     (tmp_path / "list.json").write_text("[1, 2]")
     _tau(tmp_path / "ok.json", 3.0)
     argv = ["add", "--name", "p", "--figure", str(tmp_path / "f.svg"), *args]
