@@ -491,6 +491,13 @@ class SpeculativeGenerator:
         (None: as it says), for a driver that decodes on graph rounds while compiled ones are being made."""
         return self._session(not call.autoregressive, call.rule, rows, compiled)
 
+    def forget_session(self, call: PreparedCall, rows: int = 1, compiled: bool | None = None) -> None:
+        """Drop the kept session that ``session_for`` gives for these arguments (its caches and captured graphs),
+        e.g. one whose making failed halfway: the next ``session_for`` makes it afresh."""
+        plan = self._plan(not call.autoregressive, call.rule, rows, compiled)
+        with self._sessions_lock:
+            self._sessions.pop(plan, None)
+
     def exclusive(self):
         """A context manager that holds this generator for the calling thread, as a generation call does
         (other threads' calls wait; see ``generate``): for a driver that runs sessions itself."""
@@ -500,16 +507,20 @@ class SpeculativeGenerator:
         """The kept session for ``rows`` prompts under ``rule``: calls that differ only in temperature,
         top-p, top-k, threshold, seed or prompts share one (and its graphs). The tree is the batch's
         (``_batch_tree``: its size's, greedy or sampling)."""
+        plan = self._plan(drafting, rule, rows, compiled)
+        with self._sessions_lock:  # a server makes compiled sessions on a thread of their own
+            if plan not in self._sessions:
+                self._sessions[plan] = Session(self.engine, plan)
+            return self._sessions[plan]
+
+    def _plan(self, drafting: bool, rule: AcceptanceRule, rows: int, compiled: bool | None = None) -> Plan:
+        """The plan of the session ``_session`` keeps for these arguments."""
         tree, drafts = self._batch_tree(rows, not rule.form.greedy)
         drafting = drafting and drafts and self.engine.has_drafter and tree.drafts
         form = rule.form_for(tree) if drafting else rule.form.exact()
         graphs = self._cuda_graphs and self.target.device.type == "cuda"
         compile = self._compile if compiled is None else compiled
-        plan = Plan(tree, form, drafting, graphs, compile and graphs, self._attention, session_rows(rows))
-        with self._sessions_lock:  # a server makes compiled sessions on a thread of their own
-            if plan not in self._sessions:
-                self._sessions[plan] = Session(self.engine, plan)
-            return self._sessions[plan]
+        return Plan(tree, form, drafting, graphs, compile and graphs, self._attention, session_rows(rows))
 
     def _decode(self, calls: list[PreparedCall], rows: int, streaming: bool = False
                 ) -> Iterator[tuple[int, str | GenerationResult]]:

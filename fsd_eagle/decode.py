@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from . import compile_cache
+from . import compile_cache, precompiled
 from .attention import flex_supported
 from .config import TreeConfig
 from .drafter import DraftRoot, ModelDrafter, SlotDrafter
@@ -277,6 +277,8 @@ def _compile(fn, dynamic: bool = False, batched: bool = False):
                 settings.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False))
                 settings.enter_context(torch._inductor.config.patch(inductor_settings(freeze, batched)))
                 settings.enter_context(torch.no_grad())
+            if not isinstance(compiled, Precompiled):
+                precompiled.refuse(fn.__name__, "not saved: compiled with freezing or in a tensor-parallel process")
             return compiled(*args, **kwargs)
 
     return call

@@ -26,6 +26,7 @@ freezing (the weights would be constants of the saved code) and in tensor-parall
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -44,6 +45,33 @@ UNPACKABLE = "unpackable.txt"  # beside a variant's files: why its function coul
 #: Debug records of saved specializations that a call's arguments did not fit (with the guard that failed):
 #: why a process compiles again what an earlier one saved.
 log = logging.getLogger(__name__)
+#: Set by ``loads_only``: a call that finds no saved specialization raises ``NotSaved`` instead of compiling.
+_LOADS_ONLY = contextvars.ContextVar("fsd_eagle_precompiled_loads_only", default=False)
+
+
+class NotSaved(Exception):
+    """Under ``loads_only``: a compiled function had no saved specialization for its arguments. Not a
+    RuntimeError on purpose: graph capture takes a RuntimeError for "this function does not capture" and
+    tries the next candidate (an uncompiled round), which would make a compiled session silently a graph one."""
+
+
+@contextlib.contextmanager
+def loads_only():
+    """Within it, compiled functions run only what they can load from the folder: a call that would compile
+    (nothing saved fits its arguments, no folder is set, or the function cannot be packaged) raises
+    ``NotSaved``. For building a configuration on a thread that must not stall for minutes (a server's
+    engine thread on a restart): a failure there sends the configuration to a process that may compile."""
+    token = _LOADS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _LOADS_ONLY.reset(token)
+
+
+def refuse(name: str, why: str) -> None:
+    """Under ``loads_only``: raise NotSaved for the function ``name``, which would compile (``why``)."""
+    if _LOADS_ONLY.get():
+        raise NotSaved(f"{name}: {why}")
 
 
 def use_folder(folder: Path) -> Path:
@@ -137,14 +165,17 @@ class Precompiled:
     def __call__(self, *args):
         base = folder()
         if base is None:
+            refuse(self.name, "no folder of saved compiled functions is set")
             return self.fallback(*args)
         where = base / environment() / self.name / self.variant_of(*args)
         if where in self.unpackable:
+            refuse(self.name, f"cannot be packaged ({where / UNPACKABLE})")
             return self.fallback(*args)
         with hidden_marks(args):  # a loaded function's guards reject marked tensors (see hidden_marks)
             found = self._find(where, args)
             if found is not None:
                 return found(*args)
+        refuse(self.name, f"nothing saved in {where} fits these arguments")
         found = self._compile(where, args)  # with the marks: they make the compiled dimensions symbolic
         return self.fallback(*args) if found is None else found(*args)
 
@@ -274,5 +305,5 @@ def describe(*values) -> str:
     return hashlib.sha256(repr(values).encode()).hexdigest()[:16]
 
 
-__all__ = ["ENV", "Precompiled", "describe", "environment", "folder", "load", "save", "serializable_guards",
+__all__ = ["ENV", "NotSaved", "Precompiled", "loads_only", "refuse", "describe", "environment", "folder", "load", "save", "serializable_guards",
            "supported", "use_folder"]

@@ -248,3 +248,77 @@ def test_the_triton_kernels_are_found_by_their_module_and_name():
         assert kernel.fn.__module__ == kernels.__name__
         bound = getattr(kernels, name, None)
         assert bound is not None and bound.fn.__name__ == name, name
+
+
+@needs_packaging
+def test_loads_only_runs_what_is_saved_and_refuses_to_compile(folder, monkeypatch):
+    """Under ``loads_only`` a call whose arguments a saved specialization fits runs it; one that would compile
+    (another shape, no folder set, a function that cannot be packaged) raises NotSaved and compiles nothing."""
+    def double(x):
+        return x * 2
+
+    def fresh():
+        return precompiled.Precompiled(double, "double", False, lambda x: pytest.fail("lazy fallback ran"),
+                                       lambda *a: "v")
+
+    with torch._inductor.config.patch(cpu_kernels()):
+        assert fresh()(torch.ones(3)).tolist() == [2.0] * 3  # compiled and saved, outside the mode
+    with precompiled.loads_only(), monkeypatch.context() as m:
+        m.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled under loads_only"))
+        assert fresh()(torch.ones(3)).tolist() == [2.0] * 3  # a later process loads it
+        with pytest.raises(precompiled.NotSaved, match="nothing saved"):
+            fresh()(torch.ones(2, 5))
+        m.setenv(precompiled.ENV, "0")
+        with pytest.raises(precompiled.NotSaved, match="no folder"):
+            fresh()(torch.ones(3))
+    marked = precompiled.Precompiled(double, "marked", False, lambda x: x * 2, lambda *a: "v")
+    (folder / precompiled.environment() / "marked" / "v").mkdir(parents=True)
+    (folder / precompiled.environment() / "marked" / "v" / precompiled.UNPACKABLE).write_text("graph break\n")
+    assert marked(torch.ones(1)).tolist() == [2.0]  # outside the mode: the lazy function
+    with precompiled.loads_only(), pytest.raises(precompiled.NotSaved, match="cannot be packaged"):
+        marked(torch.ones(1))
+
+
+@needs_packaging
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+def test_a_restart_warms_a_server_configuration_from_saved_functions_alone(tiny_llama, folder, monkeypatch):
+    """What a restarted server does with a recorded configuration (fsd_eagle.server.records): the warm-up of
+    a batched compiled session, which met every prefill form a lane meets (rows, lengths), saved everything
+    it compiled; a fresh process (compiled functions forgotten, dynamo reset) warms the same configuration
+    under ``loads_only`` without a NotSaved and without tracing, and decodes as the first did. Compiled with
+    dynamo's eager backend: which saved specialization fits is decided by dynamo's guards, not the backend."""
+    import types
+
+    from fsd_eagle.server.compiler import warm
+    from fsd_eagle.verify import AcceptanceRule
+
+    gpu_session_on_the_cpu(monkeypatch, lambda fn: "eager")
+    compiled_round.cache_clear()
+    torch._dynamo.reset()
+    eng = _engine("eagle", tiny_llama)
+    call = types.SimpleNamespace(prompt_ids=torch.zeros(8, dtype=torch.long), rule=AcceptanceRule())
+    context, prompt = 512, random_prompt(3, 40)
+
+    def warmed():
+        session = make_session(tree=TreeConfig(total_tokens=12, depth=4, top_k=3), engine=eng, graphs=True,
+                               compile=True, attention="sdpa", batch=4)
+        session.use_graph, session.compile, session.attention = True, True, "sdpa"  # a GPU session's
+        warm(session, call, context)
+        return session
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # a function that could not be saved warns: fail
+            first = decode_all(warmed(), prompt, 16)[0]
+            compiled_round.cache_clear()
+            compiled_prefill.cache_clear()
+            torch._dynamo.reset()
+            frames = counters["frames"]["total"]
+            with precompiled.loads_only():
+                again = warmed()
+            assert counters["frames"]["total"] == frames  # nothing traced
+            assert decode_all(again, prompt, 16)[0] == first
+    finally:
+        compiled_prefill.cache_clear()
+        compiled_round.cache_clear()
+        torch._dynamo.reset()

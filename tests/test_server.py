@@ -595,6 +595,130 @@ def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_pa
     assert all(g["errors"] == 0 and g["requests"] == 2 and g["tau_mean"] >= 1 for g in mixed["groups"].values())
 
 
+def test_a_restarted_server_makes_the_configurations_it_recorded_from_saved_functions_before_it_answers(
+        parts, ref, tmp_path):
+    """A configuration taken over is recorded (with no user text); the next server on that folder makes it on
+    its engine thread under ``loads_only`` before ``/health`` says ready, without the compiling process, and
+    its first request decodes on the compiled session, equal to generate's. On the CPU the "compiled" session
+    is a second session of the same plan; ``loads_only`` is seen through ``precompiled.refuse``, which raises
+    exactly under it (as a compiled function with nothing saved does)."""
+    from fsd_eagle import precompiled
+    from fsd_eagle.server import records
+    from fsd_eagle.session import Session
+
+    gen = generator(*parts)
+    made, warmed = [], []
+
+    def make(call, rows, saved=True):
+        try:
+            precompiled.refuse("run_round", "nothing saved fits")
+            loads_only = False
+        except precompiled.NotSaved:
+            if not saved:
+                raise
+            loads_only = True
+        session = Session(gen.engine, gen.session_for(call, rows).plan)
+        made.append((threading.current_thread().name, loads_only, counted(session)))
+        return session
+
+    def warm_cache(call, rows):
+        warmed.append(rows)
+
+    def compiled_sessions(s) -> float:
+        return s.metric("fsd_eagle_compiled_sessions")
+
+    first = Served(gen, compile=True, warm_cache=warm_cache, make_compiled=make, records=tmp_path)
+    try:
+        assert compiled_sessions(first) == 0 and not list(tmp_path.iterdir())
+        secret = "a user's secret prompt"
+        first.client.completions.create(model=MODEL, prompt=secret, temperature=0, max_tokens=8, stop=["zzz"])
+        wait_for(lambda: compiled_sessions(first) == 1, "the compiled session was not handed over")
+        assert warmed == [1] and made[0][:2] == ("fsd-eagle-engine", False)
+    finally:
+        first.close()
+    (path,), = [list(tmp_path.glob("*.json"))]
+    entry, = records.recorded(tmp_path)
+    assert entry.rows == 1 and entry.call.prompt_ids.tolist() == [0] * records.NEUTRAL_PROMPT_TOKENS
+    assert entry.call.stop == () and "secret" not in path.read_text()
+
+    made.clear()
+    again = Served(gen, compile=True, warm_cache=warm_cache, make_compiled=make, records=tmp_path)
+    try:
+        assert compiled_sessions(again) == 1  # made before the server answered
+        (thread, loads_only, rounds), = made
+        assert thread == "fsd-eagle-engine" and loads_only and rounds[0] == 0
+        out = again.client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0, max_tokens=30)
+        assert out.choices[0].text == ref.generate(PROMPTS[1], 30, chat=False).text
+        assert rounds[0] > 0 and warmed == [1]  # on the compiled session; the compiling process not asked
+    finally:
+        again.close()
+
+    made.clear()  # functions not all saved: the compiling process gets the configuration at once
+    unsaved = Served(gen, compile=True, warm_cache=warm_cache, make_compiled=lambda c, r: make(c, r, saved=False),
+                     records=tmp_path)
+    try:
+        wait_for(lambda: compiled_sessions(unsaved) == 1, "the compiling process was not asked")
+        assert warmed == [1, 1] and [m[:2] for m in made] == [("fsd-eagle-engine", False)]
+        out = unsaved.client.completions.create(model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=8)
+        assert out.choices[0].text == ref.generate(PROMPTS[2], 8, chat=False).text
+    finally:
+        unsaved.close()
+
+
+def test_recorded_configurations_beyond_the_start_up_time_are_made_when_their_lane_opens(parts, ref, tmp_path,
+                                                                                        monkeypatch):
+    """With no time left before ready (``PREBUILD_SECONDS`` 0), a recorded configuration waits: the first request
+    of its form decodes on graph rounds, and the engine makes the compiled session from saved functions between
+    rounds (not the compiling process); later requests decode on it. A recorded configuration larger than
+    ``max_batch`` allows is left alone."""
+    from fsd_eagle import precompiled
+    from fsd_eagle.server import engine, records
+    from fsd_eagle.session import Session
+
+    gen = generator(*parts)
+    call = gen.prepare(PROMPTS[0], 8, temperature=0, chat=False)
+    records.record(tmp_path, call, 1, engine.key_of(call, 1))
+    records.record(tmp_path, call, 16, engine.key_of(call, 16))
+    monkeypatch.setattr(engine, "PREBUILD_SECONDS", 0.0)
+    made = []
+
+    def make(call, rows):
+        with pytest.raises(precompiled.NotSaved):
+            precompiled.refuse("run_round", "under loads_only")
+        made.append(rows)
+        return Session(gen.engine, gen.session_for(call, rows).plan)
+
+    s = Served(gen, max_batch=8, compile=True, warm_cache=lambda c, r: pytest.fail("compiling process asked"),
+               make_compiled=make, records=tmp_path)
+    try:
+        assert s.metric("fsd_eagle_compiled_sessions") == 0 and made == []
+        out = s.client.completions.create(model=MODEL, prompt=PROMPTS[3], temperature=0, max_tokens=20)
+        assert out.choices[0].text == ref.generate(PROMPTS[3], 20, chat=False).text
+        wait_for(lambda: s.metric("fsd_eagle_compiled_sessions") == 1, "the recorded configuration was not made")
+        assert made == [1]
+    finally:
+        s.close()
+
+
+def test_a_damaged_record_is_skipped_with_one_line(tmp_path, capsys, monkeypatch):
+    from fsd_eagle import precompiled
+    from fsd_eagle.server import records
+
+    (tmp_path / "bad.json").write_text("{not json")
+    assert records.recorded(tmp_path) == [] and records.recorded(tmp_path / "none") == []
+    err = capsys.readouterr().err
+    assert "bad.json: not a configuration record" in err and len(err.strip().splitlines()) == 1
+    options = {"target": "t", "head": None, "device": "cuda", "dtype": "bfloat16", "threads": 2}
+    monkeypatch.delenv(precompiled.ENV, raising=False)
+    assert records.folder_for(options, 2048) is None  # no saved functions: nothing to record
+    monkeypatch.setenv(precompiled.ENV, str(tmp_path))
+    if precompiled.supported():
+        here = records.folder_for(options, 2048)
+        assert here == records.folder_for({**options, "threads": 8}, 2048)  # threads do not change compiled code
+        assert here != records.folder_for(options, 4096) != records.folder_for({**options, "target": "u"}, 2048)
+        assert here.is_relative_to(tmp_path / precompiled.environment())
+
+
 def test_the_serving_benchmark_measures_transformers_serve_with_compile_as_its_own_column():
     """``--hf-compile`` starts transformers serve a second time with ``--compile`` (alone, without ``--hf``, only
     that one), and speculation's ratio against each transformers column is its own entry."""

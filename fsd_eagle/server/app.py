@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,7 @@ from ..api import SpeculativeGenerator
 from ..errors import InputError
 from .engine import EngineLoop
 from .metrics import Metrics
+from .records import folder_for as records_folder
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, now
 from .serving import APIError, Serving, Settings
 from .serving_chat import create_chat_completion
@@ -36,13 +38,14 @@ ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"m
 
 def build_app(gen: SpeculativeGenerator, settings: Settings, max_batch: int = 8, max_queue: int = 256,
               api_key: str | None = None, on_ready=None, compile: bool = False, compile_options: dict | None = None,
-              warm_cache=None, make_compiled=None) -> FastAPI:
+              warm_cache=None, make_compiled=None, records: Path | None = None) -> FastAPI:
     """The application serving ``gen``: its engine thread starts with the app (lifespan) and stops with it;
     ``on_ready()`` is called once it can answer. ``compile`` (with ``compile_options``, or ``warm_cache`` and
-    ``make_compiled``): serve on graph rounds while compiled ones are made in another process (``EngineLoop``)."""
+    ``make_compiled``): serve on graph rounds while compiled ones are made in another process (``EngineLoop``);
+    ``records``: the folder of the configurations taken over (fsd_eagle.server.records)."""
     metrics = Metrics()
     engine = EngineLoop(gen, max_batch, max_queue, settings.context, metrics, compile, compile_options, warm_cache,
-                        make_compiled)
+                        make_compiled, records)
     serving = Serving(gen, engine, settings)
     created = now()
 
@@ -167,8 +170,9 @@ def serve(gen: SpeculativeGenerator, settings: Settings, host: str = "127.0.0.1"
                   f"{max_batch} rows per rule form, context {settings.context} tokens"
                   f"{'; compiling rounds in the background' if compile else ''})", file=sys.stderr, flush=True)
 
+    records = records_folder(compile_options, settings.context) if compile else None
     app = build_app(gen, settings, max_batch, max_queue, api_key, on_ready=ready, compile=compile,
-                    compile_options=compile_options)
+                    compile_options=compile_options, records=records)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=max(1, round(drain_timeout)), lifespan="on")
     # uvicorn re-raises the signal that stopped it once it has drained: for SIGTERM that must not kill the

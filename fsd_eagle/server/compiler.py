@@ -18,6 +18,9 @@ while the other one traces), inductor's autotuning synchronises the device, and 
 broken by work the other one starts (measured on an H200: "operation not permitted when stream is
 capturing", a memory pool "already recording", and compiled rounds that then ran at a few tokens/s).
 
+On a restart none of this is needed for the configurations an earlier server took over: they are recorded
+(fsd_eagle.server.records) and the engine makes them from saved functions alone (fsd_eagle.server.engine).
+
 A worker that fails for one configuration leaves it on graph rounds, with one line on stderr; one that
 ends leaves every configuration not yet compiled on graph rounds.
 """

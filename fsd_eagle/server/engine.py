@@ -16,6 +16,12 @@ each configuration met warm in another process (fsd_eagle.server.compiler); once
 the compiled session between two rounds (from the warm cache: seconds), new requests of that configuration
 open a lane on it and the graph lane takes no more requests and drains.
 
+Each configuration taken over is recorded beside the saved compiled functions (fsd_eagle.server.records).
+A later server (a restart) makes the recorded ones from saved functions alone before it answers, newest
+first, for up to ``PREBUILD_SECONDS``, and the rest when a lane of theirs opens, without the compiling
+process (``precompiled.loads_only``: nothing compiles on this thread; a configuration whose functions are
+not all saved goes to the compiling process as a new one would).
+
 The event loop talks to the thread through a queue of commands (submit, cancel, stop); the thread answers
 each job through its ``emit`` callback (thread-safe: ``loop.call_soon_threadsafe``), with text pieces
 (``Piece``), the final result (``Done``) or a one-line failure (``Failed``).
@@ -24,19 +30,28 @@ each job through its ``emit`` callback (thread-safe: ``loop.call_soon_threadsafe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 from ..api import GenerationResult, PreparedCall, SpeculativeGenerator, TextOutput
 from ..errors import FSDError, out_of_memory_line
+from ..precompiled import NotSaved, loads_only
 from ..schedule import ROUND_END, Request, Scheduler
 from ..session import Session, session_rows
 from .compiler import Compiler, make_compiled as compiled_session
 from .metrics import Metrics
+from .records import Record, record, recorded
+
+#: How long a starting server spends making recorded configurations from saved functions before it answers
+#: (a configuration is begun only if the one before it says it will end in time): a restart's first
+#: requests then decode on compiled rounds, and ``/health`` still comes well inside a minute.
+PREBUILD_SECONDS = 30.0
 
 
 @dataclass
@@ -119,12 +134,15 @@ class EngineLoop:
     on a GPU: elsewhere a compiled session is the graph one). How the cache gets warm: a worker process
     loaded with ``compile_options`` (``SpeculativeGenerator.load``'s arguments and ``attention``), or
     ``warm_cache(call, rows)`` on a thread of its own; ``make_compiled(call, rows)``: how this thread then
-    makes the configuration's session (default: the generator's compiled one, warmed up)."""
+    makes the configuration's session (default: the generator's compiled one, warmed up). ``records``: the
+    folder where configurations taken over are recorded and those recorded by earlier servers are found
+    (fsd_eagle.server.records; None: none)."""
 
     def __init__(self, gen: SpeculativeGenerator, max_batch: int, max_queue: int, context: int,
                  metrics: Metrics, compile: bool = False, compile_options: dict | None = None,
                  warm_cache: Callable[[PreparedCall, int], None] | None = None,
-                 make_compiled: Callable[[PreparedCall, int], Session] | None = None) -> None:
+                 make_compiled: Callable[[PreparedCall, int], Session] | None = None,
+                 records: Path | None = None) -> None:
         self.gen, self.max_batch, self.max_queue, self.context = gen, max_batch, max_queue, context
         self.metrics = metrics
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,6 +152,9 @@ class EngineLoop:
         captured = gen.cuda_graphs and gen.target.device.type == "cuda"
         wanted = compile and (captured or warm_cache is not None)
         self.compiler = Compiler(self._cache_ready, context, compile_options, warm_cache) if wanted else None
+        self.records = records if self.compiler is not None else None
+        self.recorded: dict[tuple, Record] = {}  # recorded configurations not made yet (no time before ready)
+        self.loading: set[tuple] = set()  # recorded configurations whose making here is queued
         self.waiting = 0  # jobs submitted and not yet started (read by submit's caller for 429)
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="fsd-eagle-engine", daemon=True)
@@ -173,6 +194,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             with self.gen.exclusive():
+                self._make_recorded()
                 self.ready.set()
                 while True:
                     if not self._take_commands(block=not self.lanes):
@@ -201,7 +223,7 @@ class EngineLoop:
             if kind == "stop":
                 return False
             if kind == "compile":
-                self._compile(*jobs)
+                self._take_over(*jobs)
             elif kind == "cancel":
                 for job in jobs:
                     if job in arrived:
@@ -249,31 +271,74 @@ class EngineLoop:
         key = key_of(call, rows)
         if key in self.compiled:
             return self.compiled[key]
-        self.compiler.ask(key, call, rows)
+        if self.recorded.pop(key, None) is not None:  # saved by an earlier server: made here between rounds
+            self.loading.add(key)
+            self.commands.put(("compile", (key, call, rows, 0.0, True)))
+        elif key not in self.loading:
+            self.compiler.ask(key, call, rows)
         return self.gen.session_for(call, rows, compiled=False)
 
     def _cache_ready(self, key: tuple, call: PreparedCall, rows: int, seconds: float) -> None:
         """Called on the compiler's thread: ``key``'s compile cache is warm (it took ``seconds``)."""
-        self.commands.put(("compile", (key, call, rows, seconds)))
+        self.commands.put(("compile", (key, call, rows, seconds, False)))
 
-    def _compile(self, key: tuple, call: PreparedCall, rows: int, seconds: float) -> None:
-        """Make ``key``'s compiled session here, between rounds (the running lanes wait meanwhile), and let the
-        graph lanes of ``key`` drain; a failure leaves ``key`` on graph rounds, with one line on stderr."""
+    def _make_recorded(self) -> None:
+        """Before the server answers: make the compiled sessions of the configurations recorded by earlier
+        servers from saved functions alone, the newest first, while ``PREBUILD_SECONDS`` allow (the time the
+        last one took is the estimate for the next); the others wait in ``recorded`` for a lane of theirs."""
+        start, last = time.perf_counter(), 0.0
+        for entry in recorded(self.records):
+            key = key_of(entry.call, entry.rows)
+            if key in self.compiled or key in self.recorded or entry.rows > session_rows(self.max_batch):
+                continue
+            if time.perf_counter() - start + last > PREBUILD_SECONDS:
+                self.recorded[key] = entry
+                continue
+            began = time.perf_counter()
+            self._take_over(key, entry.call, entry.rows, 0.0, saved_only=True)
+            last = time.perf_counter() - began
+
+    def _take_over(self, key: tuple, call: PreparedCall, rows: int, seconds: float, saved_only: bool) -> None:
+        """Make ``key``'s compiled session here, between rounds (the running lanes wait meanwhile), record it,
+        and let the graph lanes of ``key`` drain; a failure leaves ``key`` on graph rounds, with one line on
+        stderr. ``saved_only``: from saved compiled functions alone; if they are not all there, ``key`` goes
+        to the compiling process at once (at start too: a recorded configuration is likely to be asked for) (``seconds``: how long the compile cache took to get warm)."""
+        self.loading.discard(key)
+        if key in self.compiled:
+            return
         start = time.perf_counter()
         try:
-            session = self.make_compiled(call, rows)
+            with loads_only() if saved_only else contextlib.nullcontext():
+                session = self.make_compiled(call, rows)
         except Exception as e:
-            print(f"fsd-eagle: compiled rounds for {rows} rows not used: {_one_line(e)}", file=sys.stderr)
+            self.gen.forget_session(call, rows, compiled=True)  # half made: the next attempt starts afresh
+            if isinstance(e, NotSaved):
+                print(f"fsd-eagle: compiled rounds for {rows} rows not all saved ({e}); compiling them",
+                      file=sys.stderr)
+                self.compiler.ask(key, call, rows)
+            else:
+                print(f"fsd-eagle: compiled rounds for {rows} rows not used: {_one_line(e)}", file=sys.stderr)
             return
         here = time.perf_counter() - start
         self.compiled[key] = session
         self.metrics.compiled_sessions.set(len(self.compiled))
         self.metrics.compile_seconds.inc(seconds + here)
-        print(f"fsd-eagle: compiled rounds for {rows} rows in use (cache warm after {seconds:.1f} s, "
-              f"session made here in {here:.1f} s)", file=sys.stderr)
+        how = "from saved functions" if saved_only else f"cache warm after {seconds:.1f} s, session made here"
+        print(f"fsd-eagle: compiled rounds for {rows} rows in use ({how} in {here:.1f} s)", file=sys.stderr)
+        self._record(key, call, rows)
         for lane in self.lanes:
             if key_of_lane(lane) == key and lane.session is not session:
                 lane.draining = True
+
+    def _record(self, key: tuple, call: PreparedCall, rows: int) -> None:
+        """Record ``key`` for the next server; a folder that cannot be written costs a restart its head start
+        alone (one line on stderr)."""
+        if self.records is None:
+            return
+        try:
+            record(self.records, call, rows, key)
+        except OSError as e:
+            print(f"fsd-eagle: configuration not recorded for the next start: {_one_line(e)}", file=sys.stderr)
 
     def _open(self, form: tuple, session: Session) -> _Lane:
         rows = min(self.max_batch, session.batch)
