@@ -159,7 +159,8 @@ class Precompiled:
     def __init__(self, fn: Callable, name: str, dynamic: bool | None, fallback: Callable,
                  variant_of: Callable[..., str]) -> None:
         self.fn, self.name, self.dynamic, self.fallback, self.variant_of = fn, name, dynamic, fallback, variant_of
-        self.loaded: dict[Path, list] = {}  # folder of a variant -> its specializations (loaded functions)
+        # folder of a variant -> its specializations by file (loaded functions; None: a file that cannot be read)
+        self.loaded: dict[Path, dict[Path, object]] = {}
         self.unpackable: set[Path] = set()  # variants that could not be packaged: compiled lazily
 
     def __call__(self, *args):
@@ -180,16 +181,23 @@ class Precompiled:
         return self.fallback(*args) if found is None else found(*args)
 
     def _find(self, where: Path, args: tuple):
-        if where not in self.loaded:
-            found = (load(path, self.fn.__globals__) for path in sorted(where.glob("*.pt")))
-            self.loaded[where] = [f for f in found if f is not None]
-        for compiled in self.loaded[where]:
-            if compiled.guard_check(*args):
+        """The first specialization in ``where`` whose guards accept ``args``: among those loaded already, else
+        among the files written there since (by another process, e.g. a server's compiling process that has
+        compiled this function for another batch size since this process last looked), which are loaded now."""
+        known = self.loaded.setdefault(where, {})
+        for compiled in known.values():
+            if compiled is not None and compiled.guard_check(*args):
                 return compiled
-        if self.loaded[where] and log.isEnabledFor(logging.DEBUG):
-            for index, compiled in enumerate(self.loaded[where]):
+        for path in sorted(where.glob("*.pt")):
+            if path not in known:
+                known[path] = compiled = load(path, self.fn.__globals__)  # None: unreadable, not tried again
+                if compiled is not None and compiled.guard_check(*args):
+                    return compiled
+        found = [compiled for compiled in known.values() if compiled is not None]
+        if found and log.isEnabledFor(logging.DEBUG):
+            for index, compiled in enumerate(found):
                 log.debug("%s: saved specialization %d of %d in %s does not fit: %s", self.name, index + 1,
-                          len(self.loaded[where]), where, rejection(compiled, args))
+                          len(found), where, rejection(compiled, args))
         return None
 
     def _compile(self, where: Path, args: tuple):
@@ -209,8 +217,7 @@ class Precompiled:
             warnings.warn(f"{self.name}: compiled without saving it ({summary(e)}; {marker})", stacklevel=3)
             write_atomically(marker, f"{type(e).__name__}: {e}\n".encode())
             return None
-        save(where, data)
-        self.loaded.setdefault(where, []).append(compiled)
+        self.loaded.setdefault(where, {})[save(where, data)] = compiled
         return compiled
 
 

@@ -322,3 +322,26 @@ def test_a_restart_warms_a_server_configuration_from_saved_functions_alone(tiny_
         compiled_prefill.cache_clear()
         compiled_round.cache_clear()
         torch._dynamo.reset()
+
+
+@needs_packaging
+def test_a_process_finds_specializations_another_process_saved_after_it_looked(folder, monkeypatch):
+    """A server's engine thread loads a function's folder when it first builds a configuration; its compiling
+    process later compiles the same function for other shapes (another batch size) into that folder. The
+    engine's next build loads that file rather than compiling again on the thread that decodes."""
+    def triple(x):
+        return x * 3
+
+    def fresh():
+        return precompiled.Precompiled(triple, "triple", False, lambda x: pytest.fail("lazy fallback ran"),
+                                       lambda *a: "v")
+
+    with torch._inductor.config.patch(cpu_kernels()):
+        fresh()(torch.ones(3))  # an earlier process saved one specialization
+        engine = fresh()
+        assert engine(torch.ones(3)).tolist() == [3.0] * 3  # the engine looked: one file
+        fresh()(torch.ones(2, 5))  # the compiling process saves another
+    with precompiled.loads_only(), monkeypatch.context() as m:
+        m.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled again"))
+        assert engine(torch.ones(2, 5)).tolist() == [[3.0] * 5] * 2
+    assert len(list((folder / precompiled.environment() / "triple" / "v").glob("*.pt"))) == 2

@@ -104,8 +104,11 @@ class Compiler:
         if self.options is None:
             return
         command = [sys.executable, "-m", "fsd_eagle.server.compiler", json.dumps(self.options)]
+        # A session of its own: a Ctrl-C or a signal to the server's process group is the server's to handle
+        # (it ends the worker in ``close``); a server that dies closes the worker's stdin, which ends it.
         self.worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                       bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                       bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                       start_new_session=True)
         threading.Thread(target=self._read, name="fsd-eagle-compiler", daemon=True).start()
 
     def ask(self, key: Key, call: PreparedCall, rows: int) -> None:

@@ -313,18 +313,19 @@ class EngineLoop:
         except Exception as e:
             self.gen.forget_session(call, rows, compiled=True)  # half made: the next attempt starts afresh
             if isinstance(e, NotSaved):
-                print(f"fsd-eagle: compiled rounds for {rows} rows not all saved ({e}); compiling them",
+                print(f"fsd-eagle: compiled rounds for {session_rows(rows)} rows not all saved ({e}); compiling them",
                       file=sys.stderr)
                 self.compiler.ask(key, call, rows)
             else:
-                print(f"fsd-eagle: compiled rounds for {rows} rows not used: {_one_line(e)}", file=sys.stderr)
+                print(f"fsd-eagle: compiled rounds for {session_rows(rows)} rows not used: {_one_line(e)}",
+                      file=sys.stderr)
             return
         here = time.perf_counter() - start
         self.compiled[key] = session
         self.metrics.compiled_sessions.set(len(self.compiled))
         self.metrics.compile_seconds.inc(seconds + here)
         how = "from saved functions" if saved_only else f"cache warm after {seconds:.1f} s, session made here"
-        print(f"fsd-eagle: compiled rounds for {rows} rows in use ({how} in {here:.1f} s)", file=sys.stderr)
+        print(f"fsd-eagle: compiled rounds for {session_rows(rows)} rows in use ({how} in {here:.1f} s)", file=sys.stderr)
         self._record(key, call, rows)
         for lane in self.lanes:
             if key_of_lane(lane) == key and lane.session is not session:
