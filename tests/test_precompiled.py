@@ -250,6 +250,13 @@ def test_the_triton_kernels_are_found_by_their_module_and_name():
         assert bound is not None and bound.fn.__name__ == name, name
 
 
+def saving(fn):
+    """A new ``Precompiled`` of ``fn`` (static shapes, variant "v"), as a new process would make it; its lazy
+    fallback fails the test."""
+    return precompiled.Precompiled(fn, fn.__name__, False, lambda *a: pytest.fail("lazy fallback ran"),
+                                   lambda *a: "v")
+
+
 @needs_packaging
 def test_loads_only_runs_what_is_saved_and_refuses_to_compile(folder, monkeypatch):
     """Under ``loads_only`` a call whose arguments a saved specialization fits runs it; one that would compile
@@ -258,8 +265,7 @@ def test_loads_only_runs_what_is_saved_and_refuses_to_compile(folder, monkeypatc
         return x * 2
 
     def fresh():
-        return precompiled.Precompiled(double, "double", False, lambda x: pytest.fail("lazy fallback ran"),
-                                       lambda *a: "v")
+        return saving(double)
 
     with torch._inductor.config.patch(cpu_kernels()):
         assert fresh()(torch.ones(3)).tolist() == [2.0] * 3  # compiled and saved, outside the mode
@@ -333,8 +339,7 @@ def test_a_process_finds_specializations_another_process_saved_after_it_looked(f
         return x * 3
 
     def fresh():
-        return precompiled.Precompiled(triple, "triple", False, lambda x: pytest.fail("lazy fallback ran"),
-                                       lambda *a: "v")
+        return saving(triple)
 
     with torch._inductor.config.patch(cpu_kernels()):
         fresh()(torch.ones(3))  # an earlier process saved one specialization
