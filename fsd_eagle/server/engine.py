@@ -301,8 +301,9 @@ class EngineLoop:
     def _take_over(self, key: tuple, call: PreparedCall, rows: int, seconds: float, saved_only: bool) -> None:
         """Make ``key``'s compiled session here, between rounds (the running lanes wait meanwhile), record it,
         and let the graph lanes of ``key`` drain; a failure leaves ``key`` on graph rounds, with one line on
-        stderr. ``saved_only``: from saved compiled functions alone; if they are not all there, ``key`` goes
-        to the compiling process at once (at start too: a recorded configuration is likely to be asked for) (``seconds``: how long the compile cache took to get warm)."""
+        stderr. ``seconds``: how long its compile cache took to get warm. ``saved_only``: from saved compiled
+        functions alone; if they are not all there, ``key`` goes to the compiling process at once (at start
+        too: a recorded configuration is likely to be asked for)."""
         self.loading.discard(key)
         if key in self.compiled:
             return
