@@ -7,14 +7,15 @@ any kernel is looked up). ``torch.compile(...).aot_compile`` (torch >= 2.11) pac
 dynamo's transformed bytecode, its guards and inductor's compiled code; loading one back is a file read.
 
 A ``Precompiled`` function behaves like ``torch.compile(fn, fullgraph=True)``: each call runs the first of
-its compiled specializations whose guards accept the arguments, and arguments that none accepts compile a
-new one, which is written to the folder at once (atomically) for later processes. What is kept of dynamo's
-guards is what can be saved: tensor dtypes, devices, shapes and strides, the values of plain attributes
-(tree sizes, rule forms, the attention backend a model is set to), symbolic-shape conditions. Identity
-guards on Python objects (a function, a class, a module global) cannot be saved and are left out, so the
-folder of a specialization is keyed by everything they stood for: the torch, transformers and Python
-versions, the device (GPU name and capability), this package's source and the function's own ``variant``
-(set by its caller, e.g. the round's batch mode and tree attention).
+its compiled specializations whose guards accept the arguments (those loaded, then any file that another
+process has written into the folder since), and arguments that none accepts compile a new one, which is
+written to the folder at once (atomically) for later processes; under ``loads_only`` they raise ``NotSaved``
+instead. What is kept of dynamo's guards is what can be saved: tensor dtypes, devices, shapes and strides,
+the values of plain attributes (tree sizes, rule forms, the attention backend a model is set to),
+symbolic-shape conditions. Identity guards on Python objects (a function, a class, a module global) cannot
+be saved and are left out, so the folder of a specialization is keyed by everything they stood for: the
+torch, transformers and Python versions, the device (GPU name and capability), this package's source and
+the function's own ``variant`` (set by its caller, e.g. the round's batch mode and tree attention).
 
 Used where a folder is set (``FSD_EAGLE_PRECOMPILED``; the commands and the server set it beside
 inductor's cache, ``compile_cache.use_folder``) and this torch can save compiled functions. Else, and
@@ -312,5 +313,5 @@ def describe(*values) -> str:
     return hashlib.sha256(repr(values).encode()).hexdigest()[:16]
 
 
-__all__ = ["ENV", "NotSaved", "Precompiled", "loads_only", "refuse", "describe", "environment", "folder", "load", "save", "serializable_guards",
-           "supported", "use_folder"]
+__all__ = ["ENV", "NotSaved", "Precompiled", "describe", "environment", "folder", "load", "loads_only", "refuse", "save",
+           "serializable_guards", "supported", "use_folder"]
