@@ -596,18 +596,22 @@ def test_the_serving_benchmark_measures_both_variants_and_writes_its_file(tmp_pa
 
 
 def test_a_restarted_server_makes_the_configurations_it_recorded_from_saved_functions_before_it_answers(
-        parts, ref, tmp_path):
+        parts, ref, tmp_path, monkeypatch):
     """A configuration taken over is recorded (with no user text); the next server on that folder makes it on
     its engine thread under ``loads_only`` before ``/health`` says ready, without the compiling process, and
     its first request decodes on the compiled session, equal to generate's. On the CPU the "compiled" session
     is a second session of the same plan; ``loads_only`` is seen through ``precompiled.refuse``, which raises
-    exactly under it (as a compiled function with nothing saved does)."""
+    exactly under it (as a compiled function with nothing saved does). The first server starts its compiling
+    process before it answers (nothing is recorded); the restart does not start one at all."""
     from fsd_eagle import precompiled
     from fsd_eagle.server import records
+    from fsd_eagle.server.compiler import Compiler
     from fsd_eagle.session import Session
 
     gen = generator(*parts)
-    made, warmed = [], []
+    made, warmed, starts = [], [], []
+    start = Compiler.start
+    monkeypatch.setattr(Compiler, "start", lambda self: (starts.append(self), start(self))[1])
 
     def make(call, rows, saved=True):
         try:
@@ -629,7 +633,7 @@ def test_a_restarted_server_makes_the_configurations_it_recorded_from_saved_func
 
     first = Served(gen, compile=True, warm_cache=warm_cache, make_compiled=make, records=tmp_path)
     try:
-        assert compiled_sessions(first) == 0 and not list(tmp_path.iterdir())
+        assert compiled_sessions(first) == 0 and not list(tmp_path.iterdir()) and len(starts) == 1
         secret = "a user's secret prompt"
         first.client.completions.create(model=MODEL, prompt=secret, temperature=0, max_tokens=8, stop=["zzz"])
         wait_for(lambda: compiled_sessions(first) == 1, "the compiled session was not handed over")
@@ -650,6 +654,7 @@ def test_a_restarted_server_makes_the_configurations_it_recorded_from_saved_func
         out = again.client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0, max_tokens=30)
         assert out.choices[0].text == ref.generate(PROMPTS[1], 30, chat=False).text
         assert rounds[0] > 0 and warmed == [1]  # on the compiled session; the compiling process not asked
+        assert len(starts) == 1  # nor started
     finally:
         again.close()
 
@@ -745,8 +750,8 @@ def test_the_serving_benchmark_measures_transformers_serve_with_compile_as_its_o
 
 
 def test_the_compiling_process_fills_the_cache_for_each_configuration_once(tmp_path):
-    """The worker process (``python -m fsd_eagle.server.compiler``) loads the model its options name, makes
-    each configuration asked once and answers; on the CPU its "compiled" session is the plain one, so this
+    """The worker process (``python -m fsd_eagle.server.compiler``), started by the first ask where nothing
+    started it before, loads the model its options name, makes each configuration asked once and answers; on the CPU its "compiled" session is the plain one, so this
     checks the process and its protocol, not torch.compile (GPU: eval/serve.py --startup)."""
     from fsd_eagle.server.compiler import Compiler
 
@@ -757,11 +762,11 @@ def test_the_compiling_process_fills_the_cache_for_each_configuration_once(tmp_p
     ready = queue.Queue()
     options = {"target": str(tmp_path / "target"), "device": "cpu", "dtype": "float32", "threads": 1}
     compiler = Compiler(lambda *answer: ready.put(answer), CONTEXT, options)
-    compiler.start()
     try:
         call = gen.prepare(PROMPTS[0], 8, temperature=0, chat=False)
         key = ("greedy", 1)
-        compiler.ask(key, call, 1)
+        assert compiler.worker is None
+        compiler.ask(key, call, 1)  # not started: the first ask starts it
         compiler.ask(key, call, 1)  # asked twice: made once
         got_key, got_call, rows, seconds = ready.get(timeout=WAIT_S)
         assert got_key == key and got_call is call and rows == 1 and seconds > 0

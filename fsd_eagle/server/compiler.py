@@ -100,8 +100,13 @@ class Compiler:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Start the worker (it loads the model meanwhile, so the first configuration waits less)."""
-        if self.options is None:
+        """Start the worker now, so that it loads the model before the first configuration is asked for
+        (``ask`` starts it otherwise); once per compiler."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        if self.options is None or self.worker is not None:
             return
         command = [sys.executable, "-m", "fsd_eagle.server.compiler", json.dumps(self.options)]
         # A session of its own: a Ctrl-C or a signal to the server's process group is the server's to handle
@@ -112,10 +117,12 @@ class Compiler:
         threading.Thread(target=self._read, name="fsd-eagle-compiler", daemon=True).start()
 
     def ask(self, key: Key, call: PreparedCall, rows: int) -> None:
-        """Get ``key``'s cache warm (``call``'s form on ``rows`` rows), once per key."""
+        """Get ``key``'s cache warm (``call``'s form on ``rows`` rows), once per key (starting the worker if
+        it has not started)."""
         with self._lock:
             if key in self.asked:
                 return
+            self._start()
             self.asked.add(key)
             job = len(self.asked)
             self.pending[job] = (key, call, rows, time.perf_counter())

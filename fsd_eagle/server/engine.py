@@ -165,8 +165,6 @@ class EngineLoop:
 
     def start(self) -> None:
         self.thread.start()
-        if self.compiler is not None:
-            self.compiler.start()
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue ``jobs`` (the choices of one request, together): QueueFull when ``max_queue`` would be
@@ -285,11 +283,19 @@ class EngineLoop:
     def _make_recorded(self) -> None:
         """Before the server answers: make the compiled sessions of the configurations recorded by earlier
         servers from saved functions alone, the newest first, while ``PREBUILD_SECONDS`` allow (the time the
-        last one took is the estimate for the next); the others wait in ``recorded`` for a lane of theirs."""
+        last one took is the estimate for the next); the others wait in ``recorded`` for a lane of theirs.
+        With nothing recorded (a first start), the compiling process starts loading at once, since the first
+        request of each configuration will ask for it; else it starts at the first ask, if one comes (a
+        restart whose configurations were all saved holds no second model on the device)."""
+        if self.compiler is None:
+            return
+        entries = [entry for entry in recorded(self.records) if entry.rows <= session_rows(self.max_batch)]
+        if not entries:
+            self.compiler.start()
         start, last = time.perf_counter(), 0.0
-        for entry in recorded(self.records):
+        for entry in entries:
             key = key_of(entry.call, entry.rows)
-            if key in self.compiled or key in self.recorded or entry.rows > session_rows(self.max_batch):
+            if key in self.compiled or key in self.recorded:
                 continue
             if time.perf_counter() - start + last > PREBUILD_SECONDS:
                 self.recorded[key] = entry
