@@ -612,14 +612,23 @@ def _parser() -> argparse.ArgumentParser:
 def exit_with(code: int):
     """Leave the process with ``code``. After a Ctrl-C (130) the process leaves at once, stdio flushed:
     CPython 3.11 otherwise ends it by SIGINT instead of the status when the interrupt struck code run by
-    exec() (e.g. while an import creates dataclasses), even though the interrupt was handled."""
-    if code == 130:
+    exec() (e.g. while an import creates dataclasses), even though the interrupt was handled. A rank of a
+    tensor-parallel launch leaves the same way once its process group is destroyed: the interpreter's
+    teardown can abort a gloo rank after its work is done ("terminate called without an active exception",
+    a backend thread destroyed while joinable), which would turn the launch's status into a failure."""
+    dist = sys.modules.get("torch.distributed")
+    joined = dist is not None and dist.is_available() and dist.is_initialized()
+    if joined:
+        from .parallel import leave
+
+        leave()
+    if code == 130 or joined:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(130)
+        os._exit(code)
     sys.exit(code)
 
 

@@ -18,6 +18,7 @@ gloo ranks with transformers 5.24: 2 x layers + 1 all-reduces and 1 all-gather p
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -124,7 +125,7 @@ def run_ranks(command: list[str], tp_size: int, grace_s: float = 10.0) -> int:
 
 def start(tp_size: int, device: str | None = None) -> TensorParallel:
     """Join the process group of this torchrun launch of ``tp_size`` processes (started here unless the
-    caller did): NCCL on GPUs (rank r on cuda:LOCAL_RANK), gloo on a machine without CUDA. A ConfigError (one
+    caller did, and then destroyed when the process exits, ``leave``): NCCL on GPUs (rank r on cuda:LOCAL_RANK), gloo on a machine without CUDA. A ConfigError (one
     line) when the launch and ``tp_size`` differ, when the process was not started by torchrun, or when the
     backend the device needs is missing."""
     import torch.distributed as dist
@@ -142,7 +143,18 @@ def start(tp_size: int, device: str | None = None) -> TensorParallel:
     else:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 **({"device_id": dev} if dev.type == "cuda" else {}))
+        atexit.register(leave)
     return TensorParallel(tp_size, rank, local, dev)
+
+
+def leave() -> None:
+    """Destroy the process group ``start`` joined, before the interpreter exits: one left to the process's
+    teardown can abort it there ("terminate called without an active exception", the rank's exit status
+    SIGABRT after its work was done)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_device(device: str | None, local_rank: int) -> torch.device:
