@@ -87,10 +87,18 @@ def capacity_verdicts(points: list[dict]) -> list[dict]:
     return out
 
 
+def axis_points(points: list[dict], axis: str) -> list[dict]:
+    """The points along ``axis``: its own and the baselines they name (a data point's baseline is the point of
+    the same steps on the recipe's data, which a steps run measured; a steps point's, that of the same data)."""
+    mine = [p for p in points if p["axis"] == axis]
+    by_name = {p["name"]: p for p in points}
+    bases = {p.get("baseline") for p in mine} - {None} - {p["name"] for p in mine}
+    return mine + [by_name[name] for name in sorted(bases) if name in by_name]
+
+
 def verdicts(points: list[dict]) -> dict:
     """The stop rule's verdict per axis."""
-    result = {axis: axis_verdict([p for p in points if p["axis"] == axis], key)
-              for axis, key in AXES.items() if key}
+    result = {axis: axis_verdict(axis_points(points, axis), key) for axis, key in AXES.items() if key}
     result["capacity"] = capacity_verdicts(points)
     return result
 
@@ -164,6 +172,20 @@ def positive(name: str, value: float | None, integer: bool = False) -> None:
         raise InputError(f"--{name} must be a {'whole ' if integer else ''}number > 0, got {value}")
 
 
+def check_baseline(args: argparse.Namespace, by_name: dict[str, dict]) -> None:
+    """A named baseline is in the study and, for a data or steps point, holds the quantity fixed along that
+    axis (a data point's baseline has its steps, a steps point's its loss tokens): InputError otherwise."""
+    if not args.baseline:
+        return
+    base = by_name.get(args.baseline)
+    if base is None or args.baseline == args.name:
+        raise InputError(f"--baseline {args.baseline!r} is not another point of the study")
+    fixed = {"data": "steps", "steps": "loss_tokens"}.get(args.axis)
+    if fixed and base.get(fixed) != getattr(args, fixed):
+        raise InputError(f"a {args.axis} point's baseline must have its {fixed.replace('_', ' ')} "
+                         f"({getattr(args, fixed)}); {base['name']} has {base.get(fixed)}")
+
+
 def add(args: argparse.Namespace) -> dict:
     """The study with ``args``' point written (replacing one of the same name), verdicts recomputed."""
     for name, integer in (("loss-tokens", False), ("steps", True), ("gpu-seconds", False), ("parameters", True)):
@@ -174,6 +196,7 @@ def add(args: argparse.Namespace) -> dict:
     if args.axis == "capacity" and not args.baseline:
         raise InputError("a capacity point needs --baseline (the point of equal training compute it is compared with)")
     study = load_study(args.file)
+    check_baseline(args, {p["name"]: p for p in study["points"]})
     mt = read_tau(args.mt_bench)
     point = {"name": args.name, "axis": args.axis, "loss_tokens": args.loss_tokens, "steps": args.steps,
              "gpu_seconds": args.gpu_seconds, "parameters": args.parameters, "baseline": args.baseline,
@@ -197,7 +220,7 @@ def plot(study: dict) -> str:
     by_name = {p["name"]: p for p in points}
     panels = []
     for axis, key, title in (("data", "loss_tokens", "loss tokens"), ("steps", "steps", "training steps")):
-        mine = sorted((p for p in points if p["axis"] == axis and p.get(key)), key=lambda p: p[key])
+        mine = sorted((p for p in axis_points(points, axis) if p.get(key)), key=lambda p: p[key])
         series = [Series(f"{axis} axis", COLORS["eagle2"], [(p[key], p["mt_bench_tau"]) for p in mine],
                          [p["name"] for p in mine])] if mine else []
         for p in points:
@@ -259,7 +282,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", type=int, help="optimizer steps")
     a.add_argument("--gpu-seconds", type=float, help="GPU seconds of self-distillation and training")
     a.add_argument("--parameters", type=int, help="the head's trainable parameters")
-    a.add_argument("--baseline", help="capacity: the point of equal training compute it is compared with")
+    a.add_argument("--baseline", help="capacity: the point of equal training compute it is compared with; data "
+                   "(steps): the point of the same steps (data) it extends, which then joins this axis")
     a.add_argument("--mt-bench", type=Path, required=True, help="python -m eval tau's result on MT-bench")
     a.add_argument("--spec-bench", type=Path, help="python -m eval tau's result on Spec-Bench")
     a.add_argument("--recipe", help="the training recipe (a file in training/recipes/)")

@@ -73,6 +73,33 @@ def test_add_writes_replaces_and_draws(tmp_path, capsys):
     assert main(["show", "--file", str(study)]) == 0 and "data: stop" in capsys.readouterr().out
 
 
+def test_a_data_point_extends_the_steps_point_it_names_as_baseline(tmp_path, capsys):
+    """A data point at the steps of a steps point, naming it ``--baseline``, puts that point on the data axis
+    too (the recipe's data at those steps): the data axis gets its verdict and the figure both points; a
+    baseline of other steps, or one not in the study, is refused in one line and nothing is written."""
+    study, figure = tmp_path / "head_scaling.json", tmp_path / "head_scaling.svg"
+    files = ["--file", str(study), "--figure", str(figure)]
+    for name, steps, tau in (("s1k", "1000", 2.6), ("s2k", "2000", 3.2)):
+        assert main(["add", "--name", name, "--axis", "steps", "--steps", steps, "--loss-tokens", "14e6",
+                     "--mt-bench", str(_tau(tmp_path / f"{name}.json", tau)), *files]) == 0
+    before, _ = study.read_text(), capsys.readouterr()
+    for baseline, expected in (("s1k", "must have its steps (2000); s1k has 1000"), ("gone", "'gone' is not another")):
+        assert main(["add", "--name", "d2x", "--axis", "data", "--steps", "2000", "--loss-tokens", "28e6",
+                     "--baseline", baseline, "--mt-bench", str(_tau(tmp_path / "d.json", 3.3)), *files]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+    assert study.read_text() == before
+    assert main(["add", "--name", "d2x", "--axis", "data", "--steps", "2000", "--loss-tokens", "28e6",
+                 "--baseline", "s2k", "--mt-bench", str(_tau(tmp_path / "d.json", 3.3)), *files]) == 0
+    data = json.loads(study.read_text())
+    (step,) = data["verdicts"]["data"]["steps"]
+    assert (step["from"], step["to"], step["ratio"]) == ("s2k", "d2x", 2.0)
+    assert step["gain_per_doubling"] == pytest.approx(3.3 / 3.2 - 1, abs=1e-4) and data["verdicts"]["data"]["verdict"] == "continue"
+    assert [s["to"] for s in data["verdicts"]["steps"]["steps"]] == ["s2k"]  # the steps axis is unchanged
+    drawn = figure.read_text()
+    assert drawn.count("s2k") >= 2 and "d2x" in drawn  # s2k on both panels
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--axis", "data", "--loss-tokens", "-5"], "--loss-tokens must be a number > 0"),
     (["--axis", "data"], "a data point needs --loss-tokens"),
