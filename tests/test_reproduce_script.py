@@ -96,7 +96,11 @@ for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
 case "$*" in
   "-m training run"*"--stage distill"*)  # answers cached in the folder are kept, as --resume does
     [ -f "$out/distilled.jsonl.gz" ] || { echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json"; } ;;
-  "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3; mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
+  "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3
+    [ -d "$out/checkpoint" ] && echo "checkpoint found in $out" >> "$CALLS"
+    mkdir -p "$out/checkpoint"
+    case " $* " in *" --stop-here "*) exit 0 ;; esac  # stands for a run its time budget stops
+    mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
   "-m eval tau"*) mkdir -p "$out"; echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
   "-m eval speed"*) mkdir -p "$(dirname "$out")"; echo '{"rows": []}' > "$out"
     case " $* " in *" --warm "*) mkdir -p "${out%.json}.warm"; echo "warm-up log" > "${out%.json}.warm/ar_t0.log" ;; esac ;;
@@ -167,6 +171,24 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert {"distilled.jsonl.gz", "heads.tar"} <= {f.name for f in first.iterdir()}
     listing = subprocess.run(["tar", "-tf", str(first / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
+
+
+def test_head_script_continues_arms_from_an_earlier_hosts_checkpoints(tmp_path):
+    """RUNS_FROM: an arm whose checkpoint an earlier host left continues from it (copied into its run folder
+    once, before its training resumes); an arm its time budget stops gets no tau and no speed run, and the job
+    still ends with status 0, saying where its checkpoint is."""
+    earlier = tmp_path / "earlier" / "a" / "checkpoint"
+    earlier.mkdir(parents=True)
+    (earlier / "progress.json").write_text('{"step": 500}')
+    res, out = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", ARMS="b=--stop-here;a=",
+                               RUNS_FROM=str(tmp_path / "earlier"), SPEED="--device cuda")
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert f"checkpoint found in {res}/a" in calls and f"checkpoint found in {res}/b" not in calls
+    assert (res / "a" / "checkpoint" / "progress.json").read_text() == '{"step": 500}'
+    assert [c.split("--head ")[1].split()[0] for c in calls if c.startswith("-m eval tau")] == [f"{res}/a/head"]
+    assert not any(c.startswith("-m eval speed") for c in calls)  # the first arm (b) has no head
+    assert f"arm b stopped before its last step; its checkpoint: {res}/b/checkpoint" in (res / "log").read_text()
+    assert sorted(f.name for f in out.iterdir()) == ["head.log", "progress_a.json", "tau_a.json"]
 
 
 def test_head_script_adds_a_second_self_distillation_to_every_arm(tmp_path):

@@ -29,6 +29,12 @@
 #               adds with --extra-distilled: more answers of other settings, e.g. the target's samples of the first
 #               turns, EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7"
 #   EXTRA_FROM  the second self-distillation's answers from an earlier host (as DISTILLED_FROM)
+#   RUNS_FROM   a folder of arm run folders from an earlier host (<arm>/checkpoint): an arm whose checkpoint is
+#               there continues from it (--resume), so that a run longer than one host's time goes on over
+#               several hosts. An arm that its time budget stops before its last step gets no tau: bring its
+#               checkpoint back with the distilled answers (bring_back.sh, PATHS="<arm>/checkpoint distill"),
+#               and carry both to the next host (RUNS_FROM=, DISTILLED_FROM=: the same answers, or the resume is
+#               refused)
 #   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
 #   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, the self-distillation is
@@ -67,6 +73,12 @@ seed "$RES/distill" "${DISTILLED_FROM:-}"
 IFS=';' read -r -a arms <<< "$ARMS"
 names=()
 for arm in "${arms[@]}"; do names+=("${arm%%=*}"); done
+for name in "${names[@]}"; do  # checkpoints of an earlier host: those arms continue where it stopped
+  if [ -n "${RUNS_FROM:-}" ] && [ -d "$RUNS_FROM/$name/checkpoint" ] && [ ! -d "$RES/$name/checkpoint" ]; then
+    mkdir -p "$RES/$name" && cp -r "$RUNS_FROM/$name/checkpoint" "$RES/$name/"
+    echo "arm $name continues from $RUNS_FROM/$name/checkpoint"
+  fi
+done
 source eval/device/job.sh
 if needs_start; then
   copy_code
@@ -136,6 +148,10 @@ if needs_start; then
       for pid in "${pids[@]}"; do wait "$pid" || fail $?; done
       for arm in "${arms[@]}"; do
         name=${arm%%=*}
+        if [ ! -f "$0/$name/head/config.json" ]; then  # stopped by its time budget: continued on another host
+          echo "arm $name stopped before its last step; its checkpoint: $0/$name/checkpoint" >> "$0/log"
+          continue
+        fi
         [ -f "$0/$name/tau.json" ] || python3 -m eval tau --questions mt_bench "${target[@]}" --head "$0/$name/head" \
             --device cuda --dtype bfloat16 --workers "$TAU_WORKERS" --out "$0/$name" >> "$0/log" 2>&1 || fail $?
         if [ -n "$TAU_TEMPERATURE" ] && [ ! -f "$0/$name/sampled/tau.json" ]; then
@@ -144,7 +160,7 @@ if needs_start; then
               >> "$0/log" 2>&1 || fail $?
         fi
       done
-      if [ -n "$SPEED" ] && [ ! -f "$0/speed.json" ]; then
+      if [ -n "$SPEED" ] && [ ! -f "$0/speed.json" ] && [ -f "$0/${arms[0]%%=*}/head/config.json" ]; then
         [ -z "${warm_pid:-}" ] || wait "$warm_pid" || true  # the warm-ups end before the measuring starts
         read -r -a speed <<< "$SPEED"
         python3 -m eval speed "${speed[@]}" "${target[@]}" --head "$0/${arms[0]%%=*}/head" --out "$0/speed.json" \
