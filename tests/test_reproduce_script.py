@@ -99,7 +99,7 @@ case "$*" in
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3
     [ -d "$out/checkpoint" ] && echo "checkpoint found in $out" >> "$CALLS"
     mkdir -p "$out/checkpoint"
-    case " $* " in *" --stop-here "*) exit 0 ;; esac  # stands for a run its time budget stops
+    case " $* " in *" --stop-after "*) exit 0 ;; esac  # stopped with a checkpoint before its last step
     mkdir -p "$out/head"; echo '{}' > "$out/head/config.json" ;;
   "-m eval tau"*) mkdir -p "$out"; echo '{"tau": {"all": 3.0}}' > "$out/tau.json" ;;
   "-m eval speed"*) mkdir -p "$(dirname "$out")"; echo '{"rows": []}' > "$out"
@@ -175,16 +175,18 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
 
 def test_head_script_continues_arms_from_an_earlier_hosts_checkpoints(tmp_path):
     """RUNS_FROM: an arm whose checkpoint an earlier host left continues from it (copied into its run folder
-    once, before its training resumes); an arm its time budget stops gets no tau and no speed run, and the job
-    still ends with status 0, saying where its checkpoint is."""
+    once, before its training resumes); an arm stopped with a checkpoint gets no tau and no speed run, and the
+    job still ends with status 0, saying where its checkpoint is."""
     earlier = tmp_path / "earlier" / "a" / "checkpoint"
     earlier.mkdir(parents=True)
     (earlier / "progress.json").write_text('{"step": 500}')
-    res, out = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", ARMS="b=--stop-here;a=",
+    (earlier.parent / "run.json").write_text('{"recipe": {}}')
+    res, out = run_host_script(tmp_path, "head.sh", [], "job ended, status 0", ARMS="b=--stop-after 5;a=",
                                RUNS_FROM=str(tmp_path / "earlier"), SPEED="--device cuda")
     calls = (tmp_path / "calls").read_text().splitlines()
     assert f"checkpoint found in {res}/a" in calls and f"checkpoint found in {res}/b" not in calls
     assert (res / "a" / "checkpoint" / "progress.json").read_text() == '{"step": 500}'
+    assert (res / "a" / "run.json").read_text() == '{"recipe": {}}'  # the fingerprint a resume checks
     assert [c.split("--head ")[1].split()[0] for c in calls if c.startswith("-m eval tau")] == [f"{res}/a/head"]
     assert not any(c.startswith("-m eval speed") for c in calls)  # the first arm (b) has no head
     assert f"arm b stopped before its last step; its checkpoint: {res}/b/checkpoint" in (res / "log").read_text()
@@ -527,6 +529,19 @@ def test_head_script_shrinks_the_training_budget_to_a_deadline(tmp_path):
     arms = [c for c in (later / "calls").read_text().splitlines()
             if c.startswith("-m training run") and "--stage distill" not in c]
     assert len(arms) == 1 and "--time-budget 900 " in arms[0] + " "  # the budget fits before the deadline
+
+
+def test_head_script_with_continue_stops_the_training_at_the_deadline_instead_of_shortening_it(tmp_path):
+    """CONTINUE=1 with END_BY: each arm gets --stop-after (what is left before the deadline less RESERVE) and no
+    --time-budget, so its run keeps its length and goes on on another host."""
+    run_host_script(tmp_path, "head.sh", [], "job ended, status 0", END_BY=str(int(time.time()) + 1000),
+                    RESERVE="100", TIME_BUDGET="0", CONTINUE="1")
+    arms = [c for c in (tmp_path / "calls").read_text().splitlines()
+            if c.startswith("-m training run") and "--stage distill" not in c]
+    assert len(arms) == 1 and "--time-budget" not in arms[0]
+    stop = int(arms[0].split("--stop-after ")[1].split()[0])
+    assert 880 <= stop <= 900
+    assert "training stops after" in (tmp_path / "res" / "log").read_text()
 
 
 def test_code_copies_name_their_commit(tmp_path, monkeypatch):

@@ -22,7 +22,9 @@
 #   TIME_BUDGET training seconds of each arm (default 1500; 0: none, the recipe's epochs or max_steps decide)
 #   END_BY      a deadline (Unix seconds, e.g. $(( $(date +%s) + 1500 )) on the first command): when the training
 #               starts, its budget shrinks to END_BY - now - RESERVE (default 300 s, for tau), at least 60 s, so
-#               that a slow self-distillation cannot push the heads past the time the host is held
+#               that a slow self-distillation cannot push the heads past the time the host is held. With
+#               CONTINUE=1 the deadline instead stops each arm's training with a checkpoint (--stop-after; the
+#               run keeps its length and schedule), to go on on another host (RUNS_FROM below)
 #   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
 #               it as <file>.json)
 #   EXTRA_DISTILL  options of a second self-distillation after the first (into $RES/extra), whose answers every arm
@@ -31,8 +33,9 @@
 #   EXTRA_FROM  the second self-distillation's answers from an earlier host (as DISTILLED_FROM)
 #   RUNS_FROM   a folder of arm run folders from an earlier host (<arm>/checkpoint): an arm whose checkpoint is
 #               there continues from it (--resume), so that a run longer than one host's time goes on over
-#               several hosts. An arm that its time budget stops before its last step gets no tau: bring its
-#               checkpoint back with the distilled answers (bring_back.sh, PATHS="<arm>/checkpoint distill"),
+#               several hosts. An arm stopped before its last step (CONTINUE=1) gets no tau: bring its
+#               checkpoint back with its run.json and the distilled answers (bring_back.sh, PATHS="<arm>/checkpoint
+#               <arm>/run.json distill"),
 #               and carry both to the next host (RUNS_FROM=, DISTILLED_FROM=: the same answers, or the resume is
 #               refused)
 #   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
@@ -76,6 +79,7 @@ for arm in "${arms[@]}"; do names+=("${arm%%=*}"); done
 for name in "${names[@]}"; do  # checkpoints of an earlier host: those arms continue where it stopped
   if [ -n "${RUNS_FROM:-}" ] && [ -d "$RUNS_FROM/$name/checkpoint" ] && [ ! -d "$RES/$name/checkpoint" ]; then
     mkdir -p "$RES/$name" && cp -r "$RUNS_FROM/$name/checkpoint" "$RES/$name/"
+    [ ! -f "$RUNS_FROM/$name/run.json" ] || cp "$RUNS_FROM/$name/run.json" "$RES/$name/"  # what the run was for
     echo "arm $name continues from $RUNS_FROM/$name/checkpoint"
   fi
 done
@@ -87,6 +91,7 @@ if needs_start; then
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
       TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
       WARM="${WARM:-0}" END_BY="${END_BY:-}" RESERVE="${RESERVE:-300}" EXTRA_DISTILL="${EXTRA_DISTILL:-}" \
+      CONTINUE="${CONTINUE:-0}" \
       GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" NPROC="${NPROC:-1}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
@@ -111,11 +116,17 @@ if needs_start; then
       fi
       if [ -n "$END_BY" ]; then  # what is left before the deadline, less the reserve, at least 60 s
         left=$(( END_BY - $(date +%s) - RESERVE )); left=$(( left > 60 ? left : 60 ))
-        if [ "$TIME_BUDGET" = 0 ] || [ "$TIME_BUDGET" -gt "$left" ]; then TIME_BUDGET=$left; fi
-        echo "training budget ${TIME_BUDGET} s (deadline in $(( END_BY - $(date +%s) )) s)" >> "$0/log"
+        if [ "$CONTINUE" = 1 ]; then
+          stop_after=$left
+          echo "training stops after ${left} s with a checkpoint (deadline in $(( END_BY - $(date +%s) )) s)" >> "$0/log"
+        else
+          if [ "$TIME_BUDGET" = 0 ] || [ "$TIME_BUDGET" -gt "$left" ]; then TIME_BUDGET=$left; fi
+          echo "training budget ${TIME_BUDGET} s (deadline in $(( END_BY - $(date +%s) )) s)" >> "$0/log"
+        fi
       fi
       budget=()
       [ "$TIME_BUDGET" = 0 ] || budget=(--time-budget "$TIME_BUDGET")
+      [ -z "${stop_after:-}" ] || budget+=(--stop-after "$stop_after")
       IFS=";" read -r -a arms <<< "$ARMS"
       workers=$(( WORKERS / ${#arms[@]} > 0 ? WORKERS / ${#arms[@]} : 1 ))
       pids=(); index=0
@@ -148,7 +159,7 @@ if needs_start; then
       for pid in "${pids[@]}"; do wait "$pid" || fail $?; done
       for arm in "${arms[@]}"; do
         name=${arm%%=*}
-        if [ ! -f "$0/$name/head/config.json" ]; then  # stopped by its time budget: continued on another host
+        if [ ! -f "$0/$name/head/config.json" ]; then  # stopped with a checkpoint: continued on another host
           echo "arm $name stopped before its last step; its checkpoint: $0/$name/checkpoint" >> "$0/log"
           continue
         fi
