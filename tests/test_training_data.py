@@ -325,6 +325,20 @@ def test_round_trip(tmp_path, name):
     assert not list(p.parent.glob("*.tmp"))
 
 
+def test_the_same_conversations_give_the_same_bytes(tmp_path, monkeypatch):
+    """A file prepared again (another name, another time) is byte-identical, so a training run's fingerprint
+    (the data file's sha256) accepts it on another machine; its gzip header holds no time and no name."""
+    import time
+
+    first, second = tmp_path / "a.jsonl.gz", tmp_path / "other" / "b.jsonl.gz"
+    D.write_conversations(iter(_convs()), first)
+    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)  # gzip's default header time
+    D.write_conversations(iter(_convs()), second)
+    assert first.read_bytes() == second.read_bytes()
+    header = first.read_bytes()[:10]
+    assert header[3] & 0x08 == 0 and header[4:8] == b"\0\0\0\0"  # no FNAME flag, MTIME 0
+
+
 def test_write_failure_leaves_no_file(tmp_path):
     def gen():
         yield _convs()[0]

@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import codecs
 import gzip
+import io
 import json
 import os
 import re
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -513,18 +514,20 @@ def _iter_gsm8k(path: Path, stats: SourceStats, strip_calculator: bool, eval_pro
 def write_conversations(convs: Iterable[Conversation], path: Path) -> int:
     """Write conversations as compact JSON lines (gzip when ``path`` ends in ``.gz``); return the count.
 
-    Writes to a temporary file first, so a failed run never leaves a partial file at ``path``.
+    Writes to a temporary file first, so a failed run never leaves a partial file at ``path``. The same
+    conversations give the same bytes (a gzip header without a time or a name), so that a file prepared again
+    on another machine is the one a training run's fingerprint recorded, and its resume is accepted.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     n = 0
     try:
-        if path.suffix == ".gz":
-            f = gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6)
-        else:
-            f = open(tmp, "w", encoding="utf-8")
-        with f:
+        with ExitStack() as stack:
+            raw = stack.enter_context(open(tmp, "wb"))
+            if path.suffix == ".gz":
+                raw = stack.enter_context(gzip.GzipFile(filename="", mode="wb", compresslevel=6, fileobj=raw, mtime=0))
+            f = stack.enter_context(io.TextIOWrapper(raw, encoding="utf-8"))
             for conv in convs:
                 f.write(json.dumps(conv.to_dict(), ensure_ascii=False, separators=(",", ":")))
                 f.write("\n")
