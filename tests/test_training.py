@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -503,6 +504,30 @@ def test_stop_after_splits_a_run_over_calls_losslessly(llama, tmp_path, capsys):
     ref_head, head = load_file(ref_out / "head" / "model.safetensors"), load_file(out / "head" / "model.safetensors")
     assert all(torch.equal(ref_head[k], head[k]) for k in ref_head)
     assert _progress(out)["train_s"] > 0 and json.loads((out / "head" / "config.json").read_text())["training"]["train_s"] > 0
+
+
+def test_a_stopped_run_continues_elsewhere_from_its_checkpoint_and_fingerprint(llama, tmp_path, capsys):
+    """What another machine needs to continue a stopped run (eval/device/head.sh's RUNS_FROM): its checkpoint
+    and run.json in a new run folder, and the same data (at another path, prepared again: equal bytes). The
+    head equals an uninterrupted run's; other data is refused in one line."""
+    recipe = llama.write_recipe("recipe_move.json", epochs=2, max_steps=4)
+    ref_out, out, moved = tmp_path / "reference", tmp_path / "here", tmp_path / "there" / "run"
+    assert main(llama.argv(ref_out, recipe=recipe)) == 0
+    assert main(llama.argv(out, "--stop-after", 0, recipe=recipe)) == 0
+    moved.mkdir(parents=True)
+    shutil.copytree(out / "checkpoint", moved / "checkpoint")
+    shutil.copy(out / "run.json", moved / "run.json")
+    data = tmp_path / "there" / "train.jsonl"
+    assert write_conversations(llama.convs, data) == N_CONVS
+    other = tmp_path / "there" / "other.jsonl"
+    write_conversations(llama.convs[1:], other)
+    capsys.readouterr()
+    assert main(llama.argv(moved, "--resume", recipe=recipe, data=other)) == 2
+    assert "other data" in capsys.readouterr().err
+    assert main(llama.argv(moved, "--resume", recipe=recipe, data=data)) == 0
+    assert _progress(moved)["step"] == _progress(ref_out)["step"] == 4
+    ref_head, head = load_file(ref_out / "head" / "model.safetensors"), load_file(moved / "head" / "model.safetensors")
+    assert all(torch.equal(ref_head[k], head[k]) for k in ref_head)
 
 
 def test_a_fitted_schedule_survives_resume(llama, tmp_path, monkeypatch):
