@@ -341,6 +341,72 @@ def test_distill_samples_several_answers_at_a_temperature(llama):
     assert len({first[sample_id(convs[0].id, s)] for s in range(3)}) > 1
 
 
+def test_an_interrupted_distillation_continues_from_its_journal_to_the_same_answers(llama, tmp_path):
+    """distill(journal=FOLDER) keeps each batch as it is made: stopped in its third batch (a Ctrl-C) and
+    called again, it makes only the batches not kept and gives the answers of one uninterrupted call, sampled
+    ones included; a journal line cut short by the interruption is made again; other settings use another
+    journal file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(llama.target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(llama.target)
+    convs = llama.convs[:5]
+    real, calls, stop_at = model.generate, [], [None]
+
+    def generate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == stop_at[0]:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    model.generate = generate
+
+    def run(journal=None, seed=0):
+        calls.clear()
+        made = training.distill.distill(model, tokenizer, convs, 2, 64, 6, turns=2, temperature=1.5, samples=2,
+                                        seed=seed, progress=False, journal=journal)
+        return {c.id: c.messages for c in made}
+
+    reference, made_alone = run(), len(calls)
+    journal = tmp_path / "journal"
+    stop_at[0] = 3
+    with pytest.raises(KeyboardInterrupt):
+        run(journal)
+    stop_at[0] = None
+    (path,) = journal.iterdir()
+    assert len(path.read_text().splitlines()) == 2  # the two batches made before the interruption
+    with open(path, "a") as f:
+        f.write('{"batch": 4, "answers": ["cut sh')  # a write the interruption cut short
+    assert run(journal) == reference and len(calls) == made_alone - 2
+    assert run(journal) == reference and len(calls) == 0  # everything kept: nothing made again
+    assert run(journal, seed=1) != reference and len(calls) == made_alone  # another seed: its own journal
+
+
+def test_a_self_distillation_interrupted_in_the_cli_resumes_and_leaves_no_journal(llama, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A Ctrl-C after the first batch of the distill stage keeps that batch (exit 130, "--resume to
+    continue"); --resume makes the rest, writes the cache byte for byte as one uninterrupted run does, and
+    removes the journal."""
+    sampled = ("--stage", "distill", "--distill-temperature", 0.7, "--distill-samples", 2)
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert main(llama.argv(reference, *sampled)) == 0
+    real = training.distill._append_journal
+
+    def then_stop(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training.distill, "_append_journal", then_stop)
+    capsys.readouterr()
+    assert main(llama.argv(out, *sampled)) == 130
+    assert "run the same command with --resume to continue" in capsys.readouterr().err
+    assert (out / "distill-journal").is_dir() and not (out / "distilled.jsonl.gz").exists()
+    monkeypatch.setattr(training.distill, "_append_journal", real)
+    assert main(llama.argv(out, "--resume", *sampled)) == 0
+    assert not (out / "distill-journal").exists()
+    assert (out / "distilled.jsonl.gz").read_bytes() == (reference / "distilled.jsonl.gz").read_bytes()
+
+
 def test_sampled_distillation_settings_are_checked_and_recorded(llama, tmp_path, capsys):
     """distill_samples > 1 needs a temperature; a cache's settings file from before these settings counts
     as greedy (kept for a greedy recipe, refused for a sampled one); the settings are written with the cache."""

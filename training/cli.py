@@ -42,6 +42,7 @@ from .ddp import Ranks, barrier, join, leave
 from .train import checkpoint_dir, export_head, train
 
 PARTIAL_HEAD = "head-partial"  # where Ctrl-C exports the head trained so far
+DISTILL_JOURNAL = "distill-journal"  # self-distilled answers batch by batch, until the cache holds them
 
 
 def _is_val(conv_id: str, fraction: float) -> bool:
@@ -156,13 +157,15 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     shared = f", shared by {ranks.world} processes" if ranks.parallel else ""
     note(f"self-distillation: the target answers {len(pool)} conversations ({turns}, {how}up to "
          f"{recipe.distill_new_tokens} new tokens, batches of {recipe.distill_batch}{shared}); cached in {cache}")
+    journal = out / DISTILL_JOURNAL  # each batch as it is made: an interrupted distillation goes on from there
     distilled = distill_shared(ranks, model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
                                recipe.distill_new_tokens, recipe.distill_turns, cached,
                                settings["distill_turns"] if settings else 0, recipe.distill_temperature,
-                               recipe.distill_samples, recipe.seed)
+                               recipe.distill_samples, recipe.seed, journal=journal)
     if ranks.is_main:
         write_conversations(distilled, cache)
         write_text_atomic(out / "distilled.json", json.dumps(_distill_settings(recipe)) + "\n")
+        shutil.rmtree(journal, ignore_errors=True)  # its answers are in the cache now
     timings["distill_s"] = round(time.perf_counter() - t, 1)
     return distilled
 
@@ -369,8 +372,8 @@ def interrupted(out: Path, recipe: Recipe, head: EagleHead, started: dict) -> in
     checkpoint; the head so far is also exported, to OUT/head-partial. Exit status 130."""
     ck = checkpoint_dir(out)
     if ck is None or "examples" not in started:
-        again = ("with --resume to continue" if ck is not None or (out / "distilled.jsonl.gz").exists()
-                 else "again")
+        kept = ck is not None or (out / "distilled.jsonl.gz").exists() or (out / DISTILL_JOURNAL).is_dir()
+        again = "with --resume to continue" if kept else "again"
         print(f"\ninterrupted before training started: run the same command {again}", file=sys.stderr, flush=True)
         return 130
     progress = json.loads((ck / "progress.json").read_text())

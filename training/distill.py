@@ -4,7 +4,11 @@ at a temperature (more data, and the contexts that sampled decoding meets)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -15,7 +19,7 @@ from .data import Conversation
 @torch.no_grad()
 def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_tokens: int, new_tokens: int,
             turns: int = 1, done: list[Conversation] = (), done_turns: int = 0, temperature: float = 0.0,
-            samples: int = 1, seed: int = 0, progress: bool = True) -> list[Conversation]:
+            samples: int = 1, seed: int = 0, progress: bool = True, journal: Path | None = None) -> list[Conversation]:
     """Regenerate the first ``turns`` assistant turns of each conversation, turn by turn: turn k answers the
     conversation's k-th user message after the target's own earlier answers (the original answers are
     dropped), so every assistant turn of a result is the target's. Returns new conversations (source
@@ -27,7 +31,10 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
     give the same answers).
 
     ``done``: an earlier result of the same settings with ``done_turns`` turns, extended here from turn
-    ``done_turns`` on (a conversation it ended, or left out, stays so). ``progress``: show progress bars."""
+    ``done_turns`` on (a conversation it ended, or left out, stays so). ``progress``: show progress bars.
+    ``journal``: a folder where each batch's answers are kept as it is made, so that a distillation
+    interrupted (a Ctrl-C, a killed job, a machine's time ended) continues where it stopped when called again
+    with the same arguments, to the answers an uninterrupted call gives (see ``_answer``)."""
     made = {c.id: c.messages for c in done}
     copies = [(sample_id(c.id, s), c) for c in convs for s in range(samples)]
     dialogs = {i: list(made.get(i, [])) for i, _ in copies}  # the regenerated conversation so far
@@ -39,7 +46,7 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
             if msgs is not None:
                 jobs.append((i, c, dialogs[i] + msgs))
         answers = _answer(model, tokenizer, [m for _, _, m in jobs], batch, prompt_tokens, new_tokens,
-                          f"distill turn {k + 1}", temperature, (seed * 1000 + k) % 2**63, progress)
+                          f"distill turn {k + 1}", temperature, (seed * 1000 + k) % 2**63, progress, journal)
         alive = []
         for (i, c, msgs), answer in zip(jobs, answers):
             if answer:
@@ -50,7 +57,8 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
 
 def distill_shared(ranks, model, tokenizer, convs: list[Conversation], batch: int, prompt_tokens: int,
                    new_tokens: int, turns: int = 1, done: list[Conversation] = (), done_turns: int = 0,
-                   temperature: float = 0.0, samples: int = 1, seed: int = 0) -> list[Conversation]:
+                   temperature: float = 0.0, samples: int = 1, seed: int = 0,
+                   journal: Path | None = None) -> list[Conversation]:
     """``distill`` shared by data-parallel processes (training/ddp.py): process r answers conversations r,
     r + N, ... (sampled answers draw from a stream seeded per process), and every process gets all the
     answers, in the order one process would have made them. Alone: ``distill`` itself."""
@@ -58,9 +66,10 @@ def distill_shared(ranks, model, tokenizer, convs: list[Conversation], batch: in
 
     if not ranks.parallel:
         return distill(model, tokenizer, convs, batch, prompt_tokens, new_tokens, turns, done, done_turns,
-                       temperature, samples, seed)
+                       temperature, samples, seed, journal=journal)
     mine = distill(model, tokenizer, convs[ranks.rank::ranks.world], batch, prompt_tokens, new_tokens, turns, done,
-                   done_turns, temperature, samples, seed + 7919 * ranks.rank, progress=ranks.is_main)
+                   done_turns, temperature, samples, seed + 7919 * ranks.rank, progress=ranks.is_main,
+                   journal=journal)
     made = {c.id: c for part in gather_objects(mine, ranks) for c in part}
     return [made[i] for c in convs for i in (sample_id(c.id, s) for s in range(samples)) if i in made]
 
@@ -86,10 +95,16 @@ def _turn_prompt(messages: list[dict], k: int) -> list[dict] | None:
 
 
 def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_tokens: int, new_tokens: int,
-            desc: str, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> list[str]:
+            desc: str, temperature: float = 0.0, seed: int = 0, progress: bool = True,
+            journal: Path | None = None) -> list[str]:
     """The target's answer to each chat prompt (its last ``prompt_tokens`` tokens): greedy, or sampled at
-    ``temperature`` (the random state seeded with ``seed`` first), in batches of similar lengths (less
-    padding); answers in the order of ``prompts``."""
+    ``temperature`` (the random state seeded from ``seed`` and the batch before each batch, so that a batch's
+    answers do not depend on the batches made before it), in batches of similar lengths (less padding);
+    answers in the order of ``prompts``.
+
+    ``journal``: a folder where each batch's answers are appended as it is made, in a file named by a digest
+    of everything they depend on (the token ids of the prompts, the batch size and the generation settings);
+    batches found there are not made again. The caller removes the folder once the answers are kept."""
     device = next(model.parameters()).device
     encoded = []
     for msgs in prompts:
@@ -100,11 +115,20 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
     answers = [""] * len(prompts)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
-    if temperature > 0:
-        torch.manual_seed(seed)
+    starts = range(0, len(order), batch)
+    kept, path = {}, None
+    if journal is not None:
+        path = journal / f"{desc.replace(' ', '_')}.{_digest(encoded, batch, new_tokens, pad, temperature, seed)}.jsonl"
+        kept = _read_journal(path)
+        for lo, texts in kept.items():
+            for i, text in zip(order[lo: lo + batch], texts):
+                answers[i] = text
     start, produced = time.perf_counter(), 0
-    bar = tqdm(range(0, len(order), batch), desc=desc, unit="batch", disable=not progress)
-    for lo in bar:
+    bar = tqdm(starts, desc=desc, unit="batch", disable=not progress, initial=len(kept), total=len(starts))
+    for lo in (lo for lo in starts if lo not in kept):
+        bar.update(1)
+        if temperature > 0:
+            torch.manual_seed((seed * 1_000_003 + lo) % 2**63)
         chunk = order[lo: lo + batch]
         t = max(len(encoded[i]) for i in chunk)
         ids = torch.full((len(chunk), t), pad, dtype=torch.long)
@@ -114,8 +138,45 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
             attn[row, t - len(encoded[i]):] = 1
         gen = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=new_tokens,
                              pad_token_id=pad, **sampling)
-        for i, text in zip(chunk, tokenizer.batch_decode(gen[:, t:], skip_special_tokens=True)):
-            answers[i] = text.strip()
+        texts = [text.strip() for text in tokenizer.batch_decode(gen[:, t:], skip_special_tokens=True)]
+        for i, text in zip(chunk, texts):
+            answers[i] = text
+        if path is not None:
+            _append_journal(path, lo, texts)
         produced += int((gen[:, t:] != pad).sum())
         bar.set_postfix(tok_s=f"{produced / (time.perf_counter() - start):.0f}")
+    bar.close()
     return answers
+
+
+def _digest(encoded: list[list[int]], batch: int, new_tokens: int, pad: int, temperature: float, seed: int) -> str:
+    """What a batch's answers depend on besides the model, as a short hex digest (a journal's name)."""
+    what = json.dumps([encoded, batch, new_tokens, pad, temperature, seed], separators=(",", ":"))
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def _read_journal(path: Path) -> dict[int, list[str]]:
+    """The batches a journal holds, by their first position in the length order; a last line cut short by
+    an interruption is left out (that batch is made again)."""
+    kept = {}
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        if not text.endswith("\n"):  # cut short: drop the partial line, so that the next batch starts a line
+            text = text[: text.rfind("\n") + 1]
+            os.truncate(path, len(text.encode("utf-8")))
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+                kept[int(entry["batch"])] = list(entry["answers"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return kept
+
+
+def _append_journal(path: Path, lo: int, texts: list[str]) -> None:
+    """Append one batch's answers as one line, flushed to the disk before the next batch starts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"batch": lo, "answers": texts}, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
