@@ -95,6 +95,10 @@ out=""; prev=""
 for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
 case "$*" in
   "-m training run"*"--stage distill"*)  # answers cached in the folder are kept, as --resume does
+    [ -d "$out/distill-journal" ] && echo "journal found in $out" >> "$CALLS"
+    if [ -n "${SLOW_DISTILL:-}" ] && [ ! -f "$out/distilled.jsonl.gz" ]; then  # stopped by a deadline (SIGINT)
+      mkdir -p "$out/distill-journal"; echo batch > "$out/distill-journal/turn_1.jsonl"; exec sleep "$SLOW_DISTILL"
+    fi
     [ -f "$out/distilled.jsonl.gz" ] || { echo answers > "$out/distilled.jsonl.gz"; echo '{}' > "$out/distilled.json"; } ;;
   "-m training run"*) [ -f "$out/distilled.jsonl.gz" ] || exit 3
     [ -d "$out/checkpoint" ] && echo "checkpoint found in $out" >> "$CALLS"
@@ -529,6 +533,26 @@ def test_head_script_shrinks_the_training_budget_to_a_deadline(tmp_path):
     arms = [c for c in (later / "calls").read_text().splitlines()
             if c.startswith("-m training run") and "--stage distill" not in c]
     assert len(arms) == 1 and "--time-budget 900 " in arms[0] + " "  # the budget fits before the deadline
+
+
+def test_a_self_distillation_stopped_at_the_deadline_continues_on_the_next_host(tmp_path):
+    """CONTINUE=1: a self-distillation still running at the deadline less RESERVE is stopped (SIGINT, its
+    journal kept), the job ends with status 124 and is not started again on that host; the next host, given
+    the folder back (RUNS_FROM), continues that distillation from its journal and trains."""
+    first = tmp_path / "first"
+    first.mkdir()
+    res, _ = run_host_script(first, "head.sh", [], "job ended, status 124", CONTINUE="1", RESERVE="100",
+                             END_BY=str(int(time.time()) + 102), SLOW_DISTILL="60")
+    assert "self-distillation stopped at the deadline" in (res / "log").read_text()
+    assert (res / "distill" / "distill-journal" / "turn_1.jsonl").is_file()
+    calls = (first / "calls").read_text().splitlines()
+    assert len([c for c in calls if "--stage distill" in c]) == 1  # not started again after the deadline
+    second = tmp_path / "second"
+    second.mkdir()
+    later, out = run_host_script(second, "head.sh", [], "job ended, status 0", RUNS_FROM=str(res))
+    calls = (second / "calls").read_text().splitlines()
+    assert f"journal found in {later}/distill" in calls
+    assert (later / "head" / "head" / "config.json").is_file() and "tau_head.json" in {f.name for f in out.iterdir()}
 
 
 def test_head_script_with_continue_stops_the_training_at_the_deadline_instead_of_shortening_it(tmp_path):

@@ -24,16 +24,17 @@
 #               starts, its budget shrinks to END_BY - now - RESERVE (default 300 s, for tau), at least 60 s, so
 #               that a slow self-distillation cannot push the heads past the time the host is held. With
 #               CONTINUE=1 the deadline instead stops each arm's training with a checkpoint (--stop-after; the
-#               run keeps its length and schedule), to go on on another host (RUNS_FROM below)
+#               run keeps its length and schedule), and a self-distillation still running then (SIGINT: the
+#               batches made are kept in its distill-journal), to go on on another host (RUNS_FROM below)
 #   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
 #               it as <file>.json)
 #   EXTRA_DISTILL  options of a second self-distillation after the first (into $RES/extra), whose answers every arm
 #               adds with --extra-distilled: more answers of other settings, e.g. the target's samples of the first
 #               turns, EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7"
 #   EXTRA_FROM  the second self-distillation's answers from an earlier host (as DISTILLED_FROM)
-#   RUNS_FROM   a folder of arm run folders from an earlier host (<arm>/checkpoint): an arm whose checkpoint is
-#               there continues from it (--resume), so that a run longer than one host's time goes on over
-#               several hosts. An arm stopped before its last step (CONTINUE=1) gets no tau: bring its
+#   RUNS_FROM   a folder of run folders from an earlier host: distill/ and extra/ (a self-distillation stopped
+#               at the deadline continues from its journal) and <arm>/checkpoint (that arm continues from it,
+#               --resume), so that a run longer than one host's time goes on over several hosts. An arm stopped before its last step (CONTINUE=1) gets no tau: bring its
 #               checkpoint back with its run.json and the distilled answers (bring_back.sh, PATHS="<arm>/checkpoint
 #               <arm>/run.json distill"),
 #               and carry both to the next host (RUNS_FROM=, DISTILLED_FROM=: the same answers, or the resume is
@@ -71,6 +72,13 @@ seed() {  # seed FOLDER FILE: an earlier host's distilled answers (FILE, its set
     cp "$2.json" "$1/distilled.json"
   fi
 }
+for stage in distill extra; do  # self-distillations an earlier host stopped at its deadline, journal and all
+  if [ -n "${RUNS_FROM:-}" ] && [ -d "$RUNS_FROM/$stage" ] && [ ! -f "$RES/$stage/distilled.json" ] &&
+      [ ! -d "$RES/$stage/distill-journal" ]; then
+    mkdir -p "$RES/$stage" && cp -r "$RUNS_FROM/$stage/." "$RES/$stage/"
+    echo "$stage continues from $RUNS_FROM/$stage"
+  fi
+done
 seed "$RES/distill" "${DISTILLED_FROM:-}"
 [ -z "${EXTRA_DISTILL:-}" ] || seed "$RES/extra" "${EXTRA_FROM:-}"
 IFS=';' read -r -a arms <<< "$ARMS"
@@ -84,7 +92,7 @@ for name in "${names[@]}"; do  # checkpoints of an earlier host: those arms cont
   fi
 done
 source eval/device/job.sh
-if needs_start; then
+if needs_start && [ "$(cat "$RES/rc" 2> /dev/null)" != 124 ]; then  # (124: stopped at the deadline, CONTINUE=1)
   copy_code
   # bash -c records its own pid (alive while the job goes on) and the exit status of the stage that ended it.
   (cd "$RES/code" && PYTHONPATH="$RES/code" RECIPE="$RECIPE" ARMS="$ARMS" \
@@ -103,15 +111,29 @@ if needs_start; then
             > "$0/log_warm" 2>&1 &
         warm_pid=$!
       fi
+      res=$0
+      distilled() {  # distilled FOLDER OPTIONS...: a self-distillation into FOLDER, with CONTINUE=1 stopped at
+        # the deadline less RESERVE (SIGINT: the batches made stay in its journal for another host)
+        local folder=$1 bound=() code=0 left
+        shift
+        if [ "$CONTINUE" = 1 ] && [ -n "$END_BY" ]; then
+          left=$(( END_BY - $(date +%s) - RESERVE ))
+          bound=(timeout --signal=INT --kill-after=60 $(( left > 1 ? left : 1 )))
+        fi
+        "${bound[@]}" "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$folder" --device cuda \
+            --stage distill --resume --workers "$WORKERS" "$@" >> "$res/log" 2>&1 || code=$?
+        if [ "$code" = 124 ]; then
+          echo "self-distillation stopped at the deadline; its batches so far: $folder/distill-journal" >> "$res/log"
+        fi
+        return "$code"
+      }
       distiller=(python3 -m training)  # with several GPUs the self-distillation is shared by all of them
       if [ "$GPUS" -gt 1 ]; then distiller=(torchrun --standalone --nproc-per-node "$GPUS" -m training); fi
-      "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/distill" --device cuda \
-          --stage distill --resume --workers "$WORKERS" "$@" >> "$0/log" 2>&1 || fail $?
+      distilled "$0/distill" "$@" || fail $?
       extra=()  # a second self-distillation (its options last, so that they override), added to every arm
       if [ -n "$EXTRA_DISTILL" ]; then
         read -r -a extra_opts <<< "$EXTRA_DISTILL"
-        "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$0/extra" --device cuda \
-            --stage distill --resume --workers "$WORKERS" "$@" "${extra_opts[@]}" >> "$0/log" 2>&1 || fail $?
+        distilled "$0/extra" "$@" "${extra_opts[@]}" || fail $?
         extra=(--extra-distilled "$0/extra/distilled.jsonl.gz")
       fi
       if [ -n "$END_BY" ]; then  # what is left before the deadline, less the reserve, at least 60 s
