@@ -407,6 +407,25 @@ def test_a_self_distillation_interrupted_in_the_cli_resumes_and_leaves_no_journa
     assert (out / "distilled.jsonl.gz").read_bytes() == (reference / "distilled.jsonl.gz").read_bytes()
 
 
+def test_the_distillation_batch_comes_from_the_command_line(llama, tmp_path, capsys, monkeypatch):
+    """--distill-batch N overrides the recipe's batch of self-distillation (a number below 1 is refused in one
+    line, before any work); a resume may change it."""
+    seen = []
+    real = training.distill._answer
+
+    def answer(model, tokenizer, prompts, batch, *args, **kwargs):
+        seen.append(batch)
+        return real(model, tokenizer, prompts, batch, *args, **kwargs)
+
+    monkeypatch.setattr(training.distill, "_answer", answer)
+    assert main(llama.argv(tmp_path / "b", "--distill-batch", 0)) == 2
+    assert "--distill-batch" in _one_line_error(capsys) and seen == []
+    out = tmp_path / "a"
+    assert main(llama.argv(out, "--stage", "distill", "--distill-batch", 1, "--distill-turns", 1)) == 0
+    assert main(llama.argv(out, "--resume", "--stage", "distill", "--distill-batch", 5, "--distill-turns", 2)) == 0
+    assert seen == [1, 5] and RECIPE["distill_batch"] not in seen
+
+
 def test_sampled_distillation_settings_are_checked_and_recorded(llama, tmp_path, capsys):
     """distill_samples > 1 needs a temperature; a cache's settings file from before these settings counts
     as greedy (kept for a greedy recipe, refused for a sampled one); the settings are written with the cache."""

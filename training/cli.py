@@ -206,7 +206,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     recipe = Recipe.load(args.recipe)
     if args.target:
         recipe.target = args.target
-    for key in ("epochs", "distill_count", "distill_turns", "distill_temperature", "distill_samples", "answers",
+    for key in ("epochs", "distill_count", "distill_batch", "distill_turns", "distill_temperature", "distill_samples",
+                "answers",
                 "init", "unroll", "arch", "layers", "draft_vocab_size", "head_intermediate_size", "max_steps"):
         if getattr(args, key) is not None:
             problem = field_problem(key, getattr(args, key))
@@ -439,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data", action="append", help="conversation file(s) (override the recipe)")
     r.add_argument("--epochs", type=int)
     r.add_argument("--distill-count", type=int)
+    r.add_argument("--distill-batch", type=int,
+                   help="conversations the target answers at once in self-distillation (default: the recipe's); "
+                        "larger batches spread generate's per-step host time over more answers, as memory allows")
     r.add_argument("--distill-turns", type=int, help="regenerate the first N assistant turns (default: the recipe's)")
     r.add_argument("--distill-temperature", type=float,
                    help="sample the target's answers at this temperature (0: greedy; default: the recipe's)")
