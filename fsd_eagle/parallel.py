@@ -125,9 +125,9 @@ def run_ranks(command: list[str], tp_size: int, grace_s: float = 10.0) -> int:
 
 def start(tp_size: int, device: str | None = None) -> TensorParallel:
     """Join the process group of this torchrun launch of ``tp_size`` processes (started here unless the
-    caller did, and then destroyed when the process exits, ``leave``): NCCL on GPUs (rank r on cuda:LOCAL_RANK), gloo on a machine without CUDA. A ConfigError (one
-    line) when the launch and ``tp_size`` differ, when the process was not started by torchrun, or when the
-    backend the device needs is missing."""
+    caller did, and then destroyed when the process exits, ``leave``): NCCL on GPUs (rank r on
+    cuda:LOCAL_RANK), gloo on a machine without CUDA. A ConfigError (one line) when the launch and ``tp_size``
+    differ, when the process was not started by torchrun, or when the backend the device needs is missing."""
     import torch.distributed as dist
 
     world = check_launch(tp_size)

@@ -382,6 +382,19 @@ def test_an_interrupted_distillation_continues_from_its_journal_to_the_same_answ
     assert run(journal, seed=1) != reference and len(calls) == made_alone  # another seed: its own journal
 
 
+def test_a_journal_keeps_answers_with_line_separators_and_drops_a_line_cut_inside_a_character(tmp_path):
+    """An answer may hold U+2028 (a line break to str.splitlines, not to JSON lines); a write cut short inside
+    a multi-byte character is dropped from the file, so that the next batch's line starts cleanly."""
+    path = tmp_path / "journal" / "turn_1.jsonl"
+    training.distill._append_journal(path, 0, ["one\u2028line", "é"])
+    whole = path.read_bytes()
+    path.write_bytes(whole + '{"batch": 2, "answers": ["☃'.encode()[:-1])  # cut inside the snowman's bytes
+    assert training.distill._read_journal(path) == {0: ["one\u2028line", "é"]}
+    assert path.read_bytes() == whole
+    training.distill._append_journal(path, 2, ["two"])
+    assert training.distill._read_journal(path) == {0: ["one\u2028line", "é"], 2: ["two"]}
+
+
 def test_a_self_distillation_interrupted_in_the_cli_resumes_and_leaves_no_journal(llama, tmp_path, capsys,
                                                                                     monkeypatch):
     """A Ctrl-C after the first batch of the distill stage keeps that batch (exit 130, "--resume to

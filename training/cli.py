@@ -207,8 +207,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     if args.target:
         recipe.target = args.target
     for key in ("epochs", "distill_count", "distill_batch", "distill_turns", "distill_temperature", "distill_samples",
-                "answers",
-                "init", "unroll", "arch", "layers", "draft_vocab_size", "head_intermediate_size", "max_steps"):
+                "answers", "init", "unroll", "arch", "layers", "draft_vocab_size", "head_intermediate_size",
+                "max_steps"):
         if getattr(args, key) is not None:
             problem = field_problem(key, getattr(args, key))
             if problem:

@@ -160,11 +160,13 @@ def _read_journal(path: Path) -> dict[int, list[str]]:
     an interruption is left out (that batch is made again)."""
     kept = {}
     if path.is_file():
-        text = path.read_text(encoding="utf-8")
-        if not text.endswith("\n"):  # cut short: drop the partial line, so that the next batch starts a line
-            text = text[: text.rfind("\n") + 1]
-            os.truncate(path, len(text.encode("utf-8")))
-        for line in text.splitlines():
+        data = path.read_bytes()
+        if not data.endswith(b"\n"):  # cut short: drop the partial line, so that the next batch starts a line
+            data = data[: data.rfind(b"\n") + 1]
+            os.truncate(path, len(data))
+        for line in data.decode("utf-8").split("\n"):  # (not splitlines: an answer may hold U+2028)
+            if not line:
+                continue
             try:
                 entry = json.loads(line)
                 kept[int(entry["batch"])] = list(entry["answers"])
