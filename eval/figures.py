@@ -58,6 +58,7 @@ class Panel:
     series: list[Series]
     log_x: bool = False
     legend: str = "lower left"  # or "upper right", "upper left": where no points are
+    y_range: tuple[float, float] | None = None  # the y values to span (panels that share a scale); None: the data's
 
 
 def svg(panels: list[Panel], caption: list[str], width: int = 440, height: int = 300) -> str:
@@ -80,7 +81,8 @@ def draw_panel(panel: Panel, left: int, width: int, height: int) -> str:
     ys = [y for s in panel.series for _, y in s.points]
     fx = (lambda v: math.log2(v)) if panel.log_x else (lambda v: v)
     x_lo, x_hi = fx(min(xs)), fx(max(xs))
-    y_lo, y_hi = min(ys), max(ys)
+    y_lo, y_hi = (min(ys), max(ys)) if panel.y_range is None else (min(*ys, panel.y_range[0]), max(*ys, panel.y_range[1]))
+    y_ticks = ticks(y_lo, y_hi)
     pad_x, pad_y = (x_hi - x_lo) * 0.05 or 1, (y_hi - y_lo) * 0.08 or 1
     x_lo, x_hi, y_lo, y_hi = x_lo - pad_x, x_hi + pad_x, y_lo - pad_y, y_hi + pad_y
     plot_w, plot_h = width - m_left - m_right, height - m_top - m_bottom
@@ -98,9 +100,9 @@ def draw_panel(panel: Panel, left: int, width: int, height: int) -> str:
     for t in x_ticks:
         out.append(f'<line x1="{px(t):.1f}" y1="{m_top + plot_h}" x2="{px(t):.1f}" y2="{m_top + plot_h + 4}" stroke="#999"/>'
                    f'<text x="{px(t):.1f}" y="{m_top + plot_h + 15}" text-anchor="middle">{fmt(t)}</text>')
-    for t in ticks(min(ys), max(ys)):
+    for t, label in zip(y_ticks, tick_labels(y_ticks)):
         out.append(f'<line x1="{left + m_left - 4}" y1="{py(t):.1f}" x2="{left + m_left + plot_w}" y2="{py(t):.1f}" '
-                   f'stroke="#eee"/><text x="{left + m_left - 6}" y="{py(t) + 4:.1f}" text-anchor="end">{fmt(t)}</text>')
+                   f'stroke="#eee"/><text x="{left + m_left - 6}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
     out.append(f'<text x="{left + m_left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{escape(panel.x_title)}</text>')
     out.append(f'<text transform="translate({left + 12},{m_top + plot_h / 2}) rotate(-90)" text-anchor="middle">'
                f'{escape(panel.y_title)}</text>')
@@ -110,9 +112,11 @@ def draw_panel(panel: Panel, left: int, width: int, height: int) -> str:
         out.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" stroke-width="1.6"{dash}/>')
         for (x, y), label in zip(s.points, s.labels or [""] * len(s.points)):
             out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.6" fill="{s.color}"/>')
-            if label:
-                out.append(f'<text x="{px(x) + 4:.1f}" y="{py(y) - 4:.1f}" font-size="9" fill="{s.color}">'
-                           f'{escape(label)}</text>')
+            if label:  # beside the point, on its left where the plot's right edge would cut it (9-pixel text)
+                right = px(x) + 4 + 5.5 * len(label) > left + m_left + plot_w
+                anchor = ' text-anchor="end"' if right else ""
+                out.append(f'<text x="{px(x) + (-4 if right else 4):.1f}" y="{py(y) - 4:.1f}" font-size="9" '
+                           f'fill="{s.color}"{anchor}>{escape(label)}</text>')
         if panel.legend == "lower left":
             lx, ly = left + m_left + 8, m_top + plot_h - 8 - 13 * (len(panel.series) - 1 - k)
         elif panel.legend == "upper left":
@@ -134,6 +138,16 @@ def ticks(lo: float, hi: float, count: int = 5) -> list[float]:
             break
     first = math.ceil(lo / step) * step
     return [first + i * step for i in range(int((hi - first) / step) + 1)]
+
+
+def tick_labels(values: list[float]) -> list[str]:
+    """Tick values as text with the fewest decimals that tell them apart (``fmt`` where that does)."""
+    labels = [fmt(v) for v in values]
+    decimals = 1
+    while len(set(labels)) < len(labels) and decimals < 6:
+        decimals += 1
+        labels = [f"{v:.{decimals}f}" for v in values]
+    return labels
 
 
 def fmt(v: float) -> str:

@@ -213,11 +213,14 @@ def add(args: argparse.Namespace) -> dict:
 
 def plot(study: dict) -> str:
     """The study as SVG: MT-bench tau against loss tokens (data points) and against steps (steps points),
-    base-2 x axes; each capacity point drawn on both panels where its baseline is, as its own series."""
+    base-2 x axes, one tau scale for both; each capacity point drawn on both panels where its baseline is, as
+    its own series."""
     from .figures import COLORS, Panel, Series, svg
 
     points = study["points"]
     by_name = {p["name"]: p for p in points}
+    taus = [p["mt_bench_tau"] for p in points]
+    shared = (min(taus), max(taus)) if taus else None  # one tau scale on both panels: gains compare by eye
     panels = []
     for axis, key, title in (("data", "loss_tokens", "loss tokens"), ("steps", "steps", "training steps")):
         mine = sorted((p for p in axis_points(points, axis) if p.get(key)), key=lambda p: p[key])
@@ -229,7 +232,7 @@ def plot(study: dict) -> str:
                 series.append(Series(p["name"], COLORS["fsd"], [(base[key], p["mt_bench_tau"])], [p["name"]]))
         if series:
             panels.append(Panel(f"tau against {title}", f"{title} (log scale)", "MT-bench tau (greedy)", series,
-                                log_x=True, legend="upper left"))
+                                log_x=True, legend="upper left", y_range=shared))
     dates = sorted(p["date"] for p in points if p.get("date"))
     caption = [f"Draft heads for the default model: {len(points)} points"
                + (f", {dates[0]} to {dates[-1]}" if dates else "") + "; eval/results/head_scaling.json."]

@@ -162,3 +162,22 @@ def test_spec_bench_is_written_into_an_existing_point_with_how_it_ran(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no point named 's9k'" in err[0] and "s1k" in err[0]
     assert study.read_text() == before
+
+
+def test_the_figure_puts_both_axes_on_one_tau_scale_with_ticks_told_apart():
+    """Both panels span the same tau range (a small gain on one axis is not stretched to fill its panel),
+    and tick labels have the decimals that tell them apart."""
+    import re
+
+    from eval.figures import tick_labels
+    from eval.head_scaling import plot
+
+    assert tick_labels([3.19, 3.2, 3.21]) == ["3.19", "3.20", "3.21"] and tick_labels([1000, 2000]) == ["1,000", "2,000"]
+    study = {"points": [
+        {"name": "s1k", "axis": "steps", "steps": 1000, "loss_tokens": 14e6, "mt_bench_tau": 2.6},
+        {"name": "s2k", "axis": "steps", "steps": 2000, "loss_tokens": 14e6, "mt_bench_tau": 3.19},
+        {"name": "d", "axis": "data", "steps": 2000, "loss_tokens": 18e6, "baseline": "s2k", "mt_bench_tau": 3.23}]}
+    labels = [t for t in re.findall(r'text-anchor="end">([^<]+)</text>', plot(study)) if re.fullmatch(r"[\d.]+", t)]
+    half = len(labels) // 2
+    assert half >= 3 and labels[:half] == labels[half:] and len(set(labels[:half])) == half
+    assert float(labels[0]) <= 2.6 and float(labels[half - 1]) >= 3.2  # the steps axis' range on the data panel too
