@@ -6,6 +6,7 @@ per trained head, with the stop rule's verdict per axis.
         --device "NVIDIA H200" --code abc1234 --command "eval/device/head.sh ..."
     python -m eval head-scaling spec-bench --name data-2x tau_sb.json   # measured apart from the training run
     python -m eval head-scaling show
+    python -m eval head-scaling draw    # the figure again, e.g. after a change to how it is drawn
 
 ``add`` also redraws the study's figure (``docs/figures/head_scaling.svg``: tau against loss tokens and
 against training steps, capacity points beside their baselines).
@@ -303,6 +304,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--file", type=Path, default=DEFAULT_FILE)
     s = sub.add_parser("show", help="the study's points and verdicts")
     s.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    d = sub.add_parser("draw", help="redraw the study's figure from its file (add does this itself)")
+    d.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    d.add_argument("--figure", type=Path, default=DEFAULT_FIGURE, help="the SVG figure redrawn from the study")
     return p
 
 
@@ -317,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command_name == "spec-bench":
             study = attach_spec_bench(load_study(args.file), args.name, args.result)
             write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
+        elif args.command_name == "draw":
+            study = load_study(args.file)
+            if write_figure(study, args.figure):
+                print(f"wrote {args.figure}", file=sys.stderr)
         else:
             study = load_study(args.file)
     except InputError as e:

@@ -181,3 +181,16 @@ def test_the_figure_puts_both_axes_on_one_tau_scale_with_ticks_told_apart():
     half = len(labels) // 2
     assert half >= 3 and labels[:half] == labels[half:] and len(set(labels[:half])) == half
     assert float(labels[0]) <= 2.6 and float(labels[half - 1]) >= 3.2  # the steps axis' range on the data panel too
+
+
+def test_the_committed_figure_is_drawn_from_the_committed_study(tmp_path, capsys):
+    """docs/figures/head_scaling.svg is what the study's file draws today (else: python -m eval head-scaling
+    draw); ``draw`` writes it, and leaves a figure it did not draw alone."""
+    from eval.head_scaling import DEFAULT_FIGURE, DEFAULT_FILE, load_study, plot
+
+    assert plot(load_study(DEFAULT_FILE)) == DEFAULT_FIGURE.read_text(), \
+        "docs/figures/head_scaling.svg is stale: python -m eval head-scaling draw"
+    figure = tmp_path / "f.svg"
+    assert main(["draw", "--figure", str(figure)]) == 0 and figure.read_text() == DEFAULT_FIGURE.read_text()
+    figure.write_text("<svg>someone else's</svg>")
+    assert main(["draw", "--figure", str(figure)]) == 2 and figure.read_text() == "<svg>someone else's</svg>"
