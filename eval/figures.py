@@ -81,7 +81,9 @@ def draw_panel(panel: Panel, left: int, width: int, height: int) -> str:
     ys = [y for s in panel.series for _, y in s.points]
     fx = (lambda v: math.log2(v)) if panel.log_x else (lambda v: v)
     x_lo, x_hi = fx(min(xs)), fx(max(xs))
-    y_lo, y_hi = (min(ys), max(ys)) if panel.y_range is None else (min(*ys, panel.y_range[0]), max(*ys, panel.y_range[1]))
+    y_lo, y_hi = min(ys), max(ys)
+    if panel.y_range is not None:
+        y_lo, y_hi = min(y_lo, panel.y_range[0]), max(y_hi, panel.y_range[1])
     y_ticks = ticks(y_lo, y_hi)
     pad_x, pad_y = (x_hi - x_lo) * 0.05 or 1, (y_hi - y_lo) * 0.08 or 1
     x_lo, x_hi, y_lo, y_hi = x_lo - pad_x, x_hi + pad_x, y_lo - pad_y, y_hi + pad_y

@@ -527,7 +527,7 @@ def write_conversations(convs: Iterable[Conversation], path: Path) -> int:
             raw = stack.enter_context(open(tmp, "wb"))
             if path.suffix == ".gz":
                 raw = stack.enter_context(gzip.GzipFile(filename="", mode="wb", compresslevel=6, fileobj=raw, mtime=0))
-            f = stack.enter_context(io.TextIOWrapper(raw, encoding="utf-8"))
+            f = stack.enter_context(io.TextIOWrapper(raw, encoding="utf-8", newline=""))  # "\n" on every system
             for conv in convs:
                 f.write(json.dumps(conv.to_dict(), ensure_ascii=False, separators=(",", ":")))
                 f.write("\n")

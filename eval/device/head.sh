@@ -33,12 +33,11 @@
 #               turns, EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7"
 #   EXTRA_FROM  the second self-distillation's answers from an earlier host (as DISTILLED_FROM)
 #   RUNS_FROM   a folder of run folders from an earlier host: distill/ and extra/ (a self-distillation stopped
-#               at the deadline continues from its journal) and <arm>/checkpoint (that arm continues from it,
-#               --resume), so that a run longer than one host's time goes on over several hosts. An arm stopped before its last step (CONTINUE=1) gets no tau: bring its
-#               checkpoint back with its run.json and the distilled answers (bring_back.sh, PATHS="<arm>/checkpoint
-#               <arm>/run.json distill"),
-#               and carry both to the next host (RUNS_FROM=, DISTILLED_FROM=: the same answers, or the resume is
-#               refused)
+#               at the deadline continues from its journal) and <arm>/checkpoint with <arm>/run.json (that arm
+#               continues from it, --resume), so that a run longer than one host's time goes on over several
+#               hosts. An arm stopped before its last step (CONTINUE=1) gets no tau; bring the folders back with
+#               bring_back.sh (PATHS="distill <arm>/checkpoint <arm>/run.json") and carry them in the next
+#               bundle (docs/gpu-host.md): the resume is refused on other answers or data
 #   TAU_TEMPERATURE  also measure each arm's tau sampled at this temperature (tau_<arm>_sampled.json), e.g. 0.7
 #   TAU_WORKERS (8), WORKERS (tokenizer processes shared by the arms, 14)
 #   GPUS        GPUs of the host (default: nvidia-smi's count); with more than one, the self-distillation is
@@ -111,7 +110,6 @@ if needs_start && [ "$(cat "$RES/rc" 2> /dev/null)" != 124 ]; then  # (124: stop
             > "$0/log_warm" 2>&1 &
         warm_pid=$!
       fi
-      res=$0
       distilled() {  # distilled FOLDER OPTIONS...: a self-distillation into FOLDER, with CONTINUE=1 stopped at
         # the deadline less RESERVE (SIGINT: the batches made stay in its journal for another host)
         local folder=$1 bound=() code=0 left
@@ -121,9 +119,9 @@ if needs_start && [ "$(cat "$RES/rc" 2> /dev/null)" != 124 ]; then  # (124: stop
           bound=(timeout --signal=INT --kill-after=60 $(( left > 1 ? left : 1 )))
         fi
         "${bound[@]}" "${distiller[@]}" run "$RECIPE" "${target[@]}" --data "$DATA" --out "$folder" --device cuda \
-            --stage distill --resume --workers "$WORKERS" "$@" >> "$res/log" 2>&1 || code=$?
+            --stage distill --resume --workers "$WORKERS" "$@" >> "$0/log" 2>&1 || code=$?
         if [ "$code" = 124 ]; then
-          echo "self-distillation stopped at the deadline; its batches so far: $folder/distill-journal" >> "$res/log"
+          echo "self-distillation stopped at the deadline; its batches so far: $folder/distill-journal" >> "$0/log"
         fi
         return "$code"
       }
