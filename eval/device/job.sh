@@ -31,3 +31,9 @@ wait_job() {
     echo "$1 ended, status $(cat "$j/rc" 2> /dev/null || echo unknown)"
   fi
 }
+
+# Wait until the job in folder $1 has ended (its rc written, or its process gone): a run queued behind
+# another must not share the GPU with it.
+wait_for_job() {
+  while [ ! -f "$1/rc" ] && { [ ! -f "$1/pid" ] || kill -0 "$(cat "$1/pid")" 2> /dev/null; }; do sleep 5; done
+}

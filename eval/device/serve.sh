@@ -8,7 +8,8 @@
 # command starts the benchmark as one background process (a copy of the code under $RES/code), and every
 # command then waits up to $WAIT seconds (default 540, or until the run ends) and copies the result file
 # (rewritten after every level) and the logs to $OUT. HF=0 leaves transformers serve out; HF_COMPILE=1 also
-# measures it with --compile.
+# measures it with --compile. Two benchmarks queue one behind the other with their own RES folders: the second
+# with AFTER=<the first's RES> starts only once the first has ended (and WAIT=1 to return at once).
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -26,7 +27,8 @@ if needs_start; then
     hf=(--hf --hf-model "$model" --hf-command "{python} -m transformers.cli.transformers serve --continuous-batching --host 127.0.0.1 --port {port} $model")
     if [ "${HF_COMPILE:-0}" = 1 ]; then hf+=(--hf-compile); fi
   fi
-  (cd "$RES/code" && PYTHONPATH="$RES/code" setsid nohup bash -c 'echo $$ > "$0/pid";
+  (cd "$RES/code" && PYTHONPATH="$RES/code" AFTER="${AFTER:-}" setsid nohup bash -c 'echo $$ > "$0/pid";
+      source eval/device/job.sh; if [ -n "$AFTER" ]; then echo "waiting for $AFTER" >> "$0/log"; wait_for_job "$AFTER"; fi
       python3 -m eval serve "${@}" --out "$0/gpu_serve.json" >> "$0/log" 2>&1; echo $? > "$0/rc"' \
       "$RES" "${hf[@]}" "$@" > /dev/null 2>&1 &)
   sleep 2
