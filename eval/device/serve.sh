@@ -8,8 +8,9 @@
 # command starts the benchmark as one background process (a copy of the code under $RES/code), and every
 # command then waits up to $WAIT seconds (default 540, or until the run ends) and copies the result file
 # (rewritten after every level) and the logs to $OUT. HF=0 leaves transformers serve out; HF_COMPILE=1 also
-# measures it with --compile. Two benchmarks queue one behind the other with their own RES folders: the second
-# with AFTER=<the first's RES> starts only once the first has ended (and WAIT=1 to return at once).
+# measures it with --compile (with HF=0, that column alone beside ours). Two benchmarks queue one behind the
+# other, each with its own RES folder: the second, with AFTER=<the first's RES>, starts only once the first has
+# ended (give it WAIT=1 to return at once).
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
@@ -23,8 +24,9 @@ if needs_start; then
   copy_code
   model=$(python3 -c "from fsd_eagle.models import default_target_path; print(default_target_path())")
   hf=()
-  if [ "${HF:-1}" = 1 ]; then
-    hf=(--hf --hf-model "$model" --hf-command "{python} -m transformers.cli.transformers serve --continuous-batching --host 127.0.0.1 --port {port} $model")
+  if [ "${HF:-1}" = 1 ] || [ "${HF_COMPILE:-0}" = 1 ]; then
+    hf=(--hf-model "$model" --hf-command "{python} -m transformers.cli.transformers serve --continuous-batching --host 127.0.0.1 --port {port} $model")
+    if [ "${HF:-1}" = 1 ]; then hf+=(--hf); fi
     if [ "${HF_COMPILE:-0}" = 1 ]; then hf+=(--hf-compile); fi
   fi
   (cd "$RES/code" && PYTHONPATH="$RES/code" AFTER="${AFTER:-}" setsid nohup bash -c 'echo $$ > "$0/pid";
