@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("eval/device/reproduce.sh", "eval/device/reproduce_steps.sh", "eval/device/head.sh",
            "eval/device/assemble.sh", "eval/device/batch.sh", "eval/device/job.sh", "eval/device/tp.sh",
-           "eval/device/bring_back.sh", "eval/device/split_bundle.sh")
+           "eval/device/bring_back.sh", "eval/device/split_bundle.sh", "eval/device/serve.sh")
 
 
 def test_scripts_parse():
@@ -197,29 +197,35 @@ def test_head_script_continues_arms_from_an_earlier_hosts_checkpoints(tmp_path):
     assert sorted(f.name for f in out.iterdir()) == ["head.log", "progress_a.json", "tau_a.json"]
 
 
-def test_head_script_adds_a_second_self_distillation_to_every_arm(tmp_path):
-    """EXTRA_DISTILL: a second self-distillation after the first, into $RES/extra with its options last (they
-    override the run's), whose answers every arm's training adds with --extra-distilled; they come back once
-    (with their settings). EXTRA_FROM seeds that folder from an earlier host, whose answers are kept."""
+def test_head_script_adds_further_self_distillations_to_every_arm(tmp_path):
+    """EXTRA_DISTILL: more self-distillations after the first (option sets separated by ';'), into $RES/extra,
+    $RES/extra2, ... with their options last (they override the run's), whose answers every arm's training adds
+    with --extra-distilled; they come back once (with their settings). EXTRA_FROM seeds those folders from an
+    earlier host, by position, whose answers are kept (an empty entry: that one is made here)."""
     kept = tmp_path / "kept.jsonl.gz"
     kept.write_text("sampled before\n")
     kept.with_name("kept.jsonl.gz.json").write_text('{"distill_temperature": 0.7}')
     res, _ = run_host_script(tmp_path, "head.sh", ["--distill-turns", "3"], "job ended, status 0",
-                             ARMS="a=;b=--unroll 2", EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7",
-                             EXTRA_FROM=str(kept))
+                             ARMS="a=;b=--unroll 2",
+                             EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7;--distill-temperature 1",
+                             EXTRA_FROM=f"{kept};")
     training = [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m training run")]
     distills = [c for c in training if "--stage distill" in c]
-    assert len(distills) == 2 and f"--out {res}/distill " in distills[0] and "--distill-temperature" not in distills[0]
-    assert f"--out {res}/extra " in distills[1]
+    assert len(distills) == 3 and f"--out {res}/distill " in distills[0] and "--distill-temperature" not in distills[0]
+    assert f"--out {res}/extra " in distills[1] and f"--out {res}/extra2 " in distills[2]
     assert distills[1].endswith("--distill-turns 3 --distill-turns 1 --distill-temperature 0.7")
+    assert distills[2].endswith("--distill-turns 3 --distill-temperature 1")
     arms = [c for c in training if "--stage distill" not in c]
-    assert len(arms) == 2 and all(f"--extra-distilled {res}/extra/distilled.jsonl.gz" in c for c in arms)
+    assert len(arms) == 2 and all(f"--extra-distilled {res}/extra/distilled.jsonl.gz "
+                                  f"--extra-distilled {res}/extra2/distilled.jsonl.gz" in c for c in arms)
     assert (res / "extra" / "distilled.jsonl.gz").read_text() == "sampled before\n"  # seeded, not made again
+    assert (res / "extra2" / "distilled.jsonl.gz").read_text() == "answers\n"  # made here
     first = tmp_path / "out1"
     assert (first / "extra_distilled.jsonl.gz").read_text() == "sampled before\n"
     assert (first / "extra_distilled.jsonl.gz.json").read_text() == '{"distill_temperature": 0.7}'
+    assert (first / "extra2_distilled.jsonl.gz").read_text() == "answers\n"
     again = tmp_path / "out"  # the second command sends them no more
-    assert not (again / "extra_distilled.jsonl.gz").exists()
+    assert not (again / "extra_distilled.jsonl.gz").exists() and not (again / "extra2_distilled.jsonl.gz").exists()
 
 
 def test_head_script_warms_the_speed_run_beside_the_training(tmp_path):
@@ -595,3 +601,20 @@ def test_code_copies_name_their_commit(tmp_path, monkeypatch):
     if (ROOT / ".git").exists():
         assert runinfo.git_commit(short=True) == subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_queued_job_waits_until_the_job_before_it_has_ended(tmp_path):
+    """job.sh's wait_for_job (serve.sh's AFTER=): it returns once the earlier job's process is gone or its
+    exit status is written, and not while that job runs."""
+    before = tmp_path / "before"
+    before.mkdir()
+    script = f'''source eval/device/job.sh
+sleep 2 > /dev/null & echo $! > "{before}/pid"
+start=$SECONDS; wait_for_job "{before}"; echo "waited $((SECONDS - start))"
+echo 0 > "{before}/rc"; sleep 30 > /dev/null & echo $! > "{before}/pid"
+start=$SECONDS; wait_for_job "{before}"; echo "waited $((SECONDS - start))"; kill "$(cat "{before}/pid")"
+'''
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    first, second = (int(line.split()[1]) for line in r.stdout.splitlines())
+    assert first >= 1 and second == 0

@@ -28,11 +28,13 @@
 #               batches made are kept in its distill-journal), to go on on another host (RUNS_FROM below)
 #   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
 #               it as <file>.json)
-#   EXTRA_DISTILL  options of a second self-distillation after the first (into $RES/extra), whose answers every arm
-#               adds with --extra-distilled: more answers of other settings, e.g. the target's samples of the first
-#               turns, EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7"
-#   EXTRA_FROM  the second self-distillation's answers from an earlier host (as DISTILLED_FROM)
-#   RUNS_FROM   a folder of run folders from an earlier host: distill/ and extra/ (a self-distillation stopped
+#   EXTRA_DISTILL  options of more self-distillations after the first, separated by ';' (into $RES/extra,
+#               $RES/extra2, ...), whose answers every arm adds with --extra-distilled: more answers of other
+#               settings, e.g. the target's samples of the first turns at two temperatures,
+#               EXTRA_DISTILL="--distill-turns 1 --distill-temperature 0.7;--distill-turns 1 --distill-temperature 1"
+#   EXTRA_FROM  those self-distillations' answers from an earlier host (as DISTILLED_FROM), separated by ';' in
+#               the same order (an empty entry: none for that one)
+#   RUNS_FROM   a folder of run folders from an earlier host: distill/, extra/, ... (a self-distillation stopped
 #               at the deadline continues from its journal) and <arm>/checkpoint with <arm>/run.json (that arm
 #               continues from it, --resume), so that a run longer than one host's time goes on over several
 #               hosts. An arm stopped before its last step (CONTINUE=1) gets no tau; bring the folders back with
@@ -62,6 +64,10 @@ export GEMMA=${GEMMA:-0}
 if [ "$GEMMA" = 1 ]; then RECIPE=${RECIPE:-training/recipes/gemma3-270m-eagle3.json}
 else RECIPE=${RECIPE:-training/recipes/smollm2-135m-instruct-eagle3.json}; fi
 ARMS=${ARMS:-head=}
+IFS=';' read -r -a extra_sets <<< "${EXTRA_DISTILL:-}"
+IFS=';' read -r -a extra_from <<< "${EXTRA_FROM:-}"
+extras=()  # the folders of the further self-distillations: extra, extra2, ...
+for i in "${!extra_sets[@]}"; do if [ "$i" = 0 ]; then extras+=(extra); else extras+=("extra$((i + 1))"); fi; done
 bash eval/device/assemble.sh
 [ -f "$STORE/.unpacked" ] || exit 0  # more pieces to come
 seed() {  # seed FOLDER FILE: an earlier host's distilled answers (FILE, its settings FILE.json) into FOLDER
@@ -71,7 +77,7 @@ seed() {  # seed FOLDER FILE: an earlier host's distilled answers (FILE, its set
     cp "$2.json" "$1/distilled.json"
   fi
 }
-for stage in distill extra; do  # self-distillations an earlier host stopped at its deadline, journal and all
+for stage in distill "${extras[@]}"; do  # self-distillations an earlier host stopped at its deadline, journal and all
   if [ -n "${RUNS_FROM:-}" ] && [ -d "$RUNS_FROM/$stage" ] && [ ! -f "$RES/$stage/distilled.json" ] &&
       [ ! -d "$RES/$stage/distill-journal" ]; then
     mkdir -p "$RES/$stage" && cp -r "$RUNS_FROM/$stage/." "$RES/$stage/"
@@ -79,7 +85,7 @@ for stage in distill extra; do  # self-distillations an earlier host stopped at 
   fi
 done
 seed "$RES/distill" "${DISTILLED_FROM:-}"
-[ -z "${EXTRA_DISTILL:-}" ] || seed "$RES/extra" "${EXTRA_FROM:-}"
+for i in "${!extras[@]}"; do seed "$RES/${extras[$i]}" "${extra_from[$i]:-}"; done
 IFS=';' read -r -a arms <<< "$ARMS"
 names=()
 for arm in "${arms[@]}"; do names+=("${arm%%=*}"); done
@@ -128,12 +134,14 @@ if needs_start && [ "$(cat "$RES/rc" 2> /dev/null)" != 124 ]; then  # (124: stop
       distiller=(python3 -m training)  # with several GPUs the self-distillation is shared by all of them
       if [ "$GPUS" -gt 1 ]; then distiller=(torchrun --standalone --nproc-per-node "$GPUS" -m training); fi
       distilled "$0/distill" "$@" || fail $?
-      extra=()  # a second self-distillation (its options last, so that they override), added to every arm
-      if [ -n "$EXTRA_DISTILL" ]; then
-        read -r -a extra_opts <<< "$EXTRA_DISTILL"
-        distilled "$0/extra" "$@" "${extra_opts[@]}" || fail $?
-        extra=(--extra-distilled "$0/extra/distilled.jsonl.gz")
-      fi
+      extra=()  # further self-distillations (their options last, so that they override), added to every arm
+      IFS=";" read -r -a extra_sets <<< "$EXTRA_DISTILL"
+      for i in "${!extra_sets[@]}"; do
+        folder=extra; [ "$i" = 0 ] || folder=extra$((i + 1))
+        read -r -a extra_opts <<< "${extra_sets[$i]}"
+        distilled "$0/$folder" "$@" "${extra_opts[@]}" || fail $?
+        extra+=(--extra-distilled "$0/$folder/distilled.jsonl.gz")
+      done
       if [ -n "$END_BY" ]; then  # what is left before the deadline, less the reserve, at least 60 s
         left=$(( END_BY - $(date +%s) - RESERVE )); left=$(( left > 60 ? left : 60 ))
         if [ "$CONTINUE" = 1 ]; then
@@ -210,10 +218,12 @@ if [ -n "${OUT:-}" ]; then
   if [ -f "$RES/distill/distilled.json" ] && [ ! -f "$RES/distill/.sent" ]; then
     cp "$RES/distill/distilled.jsonl.gz" "$RES/distill/distilled.json" "$OUT/" && touch "$RES/distill/.sent"
   fi
-  if [ -f "$RES/extra/distilled.json" ] && [ ! -f "$RES/extra/.sent" ]; then
-    cp "$RES/extra/distilled.jsonl.gz" "$OUT/extra_distilled.jsonl.gz" &&
-        cp "$RES/extra/distilled.json" "$OUT/extra_distilled.jsonl.gz.json" && touch "$RES/extra/.sent"
-  fi
+  for stage in "${extras[@]}"; do
+    if [ -f "$RES/$stage/distilled.json" ] && [ ! -f "$RES/$stage/.sent" ]; then
+      cp "$RES/$stage/distilled.jsonl.gz" "$OUT/${stage}_distilled.jsonl.gz" &&
+          cp "$RES/$stage/distilled.json" "$OUT/${stage}_distilled.jsonl.gz.json" && touch "$RES/$stage/.sent"
+    fi
+  done
   cp "$RES/speed.json" "$OUT/" 2> /dev/null || cp "$RES/speed.partial.json" "$OUT/" 2> /dev/null || true
   for name in "${names[@]}"; do
     cp "$RES/$name/tau.json" "$OUT/tau_$name.json" 2> /dev/null || true
