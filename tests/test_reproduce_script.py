@@ -172,7 +172,7 @@ def test_head_script_distills_once_and_trains_the_arms_side_by_side(tmp_path):
     assert sorted(f.name for f in out.iterdir()) == ["head.log", "speed.json", "tau_a.json",
                                                      "tau_a_sampled.json", "tau_b.json", "tau_b_sampled.json"]
     first = tmp_path / "out1"  # the distilled answers and the heads came back with the first command, once
-    assert {"distilled.jsonl.gz", "heads.tar"} <= {f.name for f in first.iterdir()}
+    assert {"distilled.jsonl.gz", "distilled.jsonl.gz.json", "heads.tar"} <= {f.name for f in first.iterdir()}
     listing = subprocess.run(["tar", "-tf", str(first / "heads.tar")], capture_output=True, text=True).stdout
     assert "a/head/config.json" in listing and "b/head/config.json" in listing
 
@@ -195,6 +195,21 @@ def test_head_script_continues_arms_from_an_earlier_hosts_checkpoints(tmp_path):
     assert not any(c.startswith("-m eval speed") for c in calls)  # the first arm (b) has no head
     assert f"arm b stopped before its last step; its checkpoint: {res}/b/checkpoint" in (res / "log").read_text()
     assert sorted(f.name for f in out.iterdir()) == ["head.log", "progress_a.json", "tau_a.json"]
+
+
+def test_head_script_seeds_the_distilled_answers_that_an_earlier_host_sent(tmp_path):
+    """DISTILLED_FROM: the distilled answers (and their settings, <file>.json) that a first host sent back, as
+    they came, seed the next host's self-distillation, which keeps them; every arm trains on a copy."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    run_host_script(first, "head.sh", [], "job ended, status 0")
+    sent = first / "out1" / "distilled.jsonl.gz"
+    sent.write_text("greedy before\n")
+    res, _ = run_host_script(second, "head.sh", [], "job ended, status 0", ARMS="a=;b=",
+                             DISTILLED_FROM=str(sent))
+    assert (res / "distill" / "distilled.jsonl.gz").read_text() == "greedy before\n"  # kept, not made again
+    assert (res / "distill" / "distilled.json").read_text() == (first / "out1" / "distilled.jsonl.gz.json").read_text()
+    assert all((res / arm / "distilled.jsonl.gz").read_text() == "greedy before\n" for arm in ("a", "b"))
 
 
 def test_head_script_adds_further_self_distillations_to_every_arm(tmp_path):

@@ -216,7 +216,8 @@ tail -n 12 "$RES/log" 2> /dev/null || true
 if [ -n "${OUT:-}" ]; then
   cat "$RES/log" "$RES"/log_* > "$OUT/head.log" 2> /dev/null || true
   if [ -f "$RES/distill/distilled.json" ] && [ ! -f "$RES/distill/.sent" ]; then
-    cp "$RES/distill/distilled.jsonl.gz" "$RES/distill/distilled.json" "$OUT/" && touch "$RES/distill/.sent"
+    cp "$RES/distill/distilled.jsonl.gz" "$OUT/" && cp "$RES/distill/distilled.json" "$OUT/distilled.jsonl.gz.json" &&
+        touch "$RES/distill/.sent"  # named as DISTILLED_FROM takes them
   fi
   for stage in "${extras[@]}"; do
     if [ -f "$RES/$stage/distilled.json" ] && [ ! -f "$RES/$stage/.sent" ]; then
