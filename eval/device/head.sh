@@ -26,8 +26,8 @@
 #               CONTINUE=1 the deadline instead stops each arm's training with a checkpoint (--stop-after; the
 #               run keeps its length and schedule), and a self-distillation still running then (SIGINT: the
 #               batches made are kept in its distill-journal), to go on on another host (RUNS_FROM below)
-#   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree, its distilled.json beside
-#               it as <file>.json)
+#   DISTILLED_FROM  distilled answers from an earlier host (travelling with the tree), as it sent them: the file
+#               and its settings beside it as <file>.json (distilled.jsonl.gz and distilled.jsonl.gz.json)
 #   EXTRA_DISTILL  options of more self-distillations after the first, separated by ';' (into $RES/extra,
 #               $RES/extra2, ...), whose answers every arm adds with --extra-distilled: more answers of other
 #               settings, e.g. the target's samples of the first turns at two temperatures,
