@@ -104,7 +104,7 @@ if needs_start && [ "$(cat "$RES/rc" 2> /dev/null)" != 124 ]; then  # (124: stop
       DATA="${DATA:-$STORE/train_convs.jsonl.gz}" TIME_BUDGET="${TIME_BUDGET:-1500}" \
       TAU_WORKERS="${TAU_WORKERS:-8}" WORKERS="${WORKERS:-14}" SPEED="${SPEED:-}" TAU_TEMPERATURE="${TAU_TEMPERATURE:-}" \
       WARM="${WARM:-0}" END_BY="${END_BY:-}" RESERVE="${RESERVE:-300}" EXTRA_DISTILL="${EXTRA_DISTILL:-}" \
-      CONTINUE="${CONTINUE:-0}" \
+      EXTRAS="${extras[*]}" CONTINUE="${CONTINUE:-0}" \
       GPUS="${GPUS:-$(nvidia-smi -L 2> /dev/null | wc -l)}" NPROC="${NPROC:-1}" \
       setsid nohup bash -c 'echo $$ > "$0/pid"; set -o pipefail
       fail() { echo "$1" > "$0/rc"; exit "$1"; }
@@ -136,11 +136,11 @@ if needs_start && [ "$(cat "$RES/rc" 2> /dev/null)" != 124 ]; then  # (124: stop
       distilled "$0/distill" "$@" || fail $?
       extra=()  # further self-distillations (their options last, so that they override), added to every arm
       IFS=";" read -r -a extra_sets <<< "$EXTRA_DISTILL"
+      read -r -a extras <<< "$EXTRAS"
       for i in "${!extra_sets[@]}"; do
-        folder=extra; [ "$i" = 0 ] || folder=extra$((i + 1))
         read -r -a extra_opts <<< "${extra_sets[$i]}"
-        distilled "$0/$folder" "$@" "${extra_opts[@]}" || fail $?
-        extra+=(--extra-distilled "$0/$folder/distilled.jsonl.gz")
+        distilled "$0/${extras[$i]}" "$@" "${extra_opts[@]}" || fail $?
+        extra+=(--extra-distilled "$0/${extras[$i]}/distilled.jsonl.gz")
       done
       if [ -n "$END_BY" ]; then  # what is left before the deadline, less the reserve, at least 60 s
         left=$(( END_BY - $(date +%s) - RESERVE )); left=$(( left > 60 ? left : 60 ))
