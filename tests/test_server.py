@@ -145,6 +145,15 @@ def test_chat_and_completions_equal_generate(served, ref):
     assert by_ids.choices[0].text == ref.generate(ids, 20).text
 
 
+def test_text_content_parts_join_into_one_message(served, ref):
+    """A message's content as OpenAI content parts: its text parts join with newlines, as one string would."""
+    parts = [{"type": "text", "text": PROMPTS[4]}, {"type": "text", "text": PROMPTS[5]}]
+    got = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                                temperature=0, max_tokens=16)
+    assert got.choices[0].message.content == ref.generate(chat(f"{PROMPTS[4]}\n{PROMPTS[5]}"), 16).text
+    assert got.usage.prompt_tokens == len(ref.encode(chat(f"{PROMPTS[4]}\n{PROMPTS[5]}")))
+
+
 def test_streams_add_up_to_the_text_and_end_with_done(served, ref):
     expect = ref.generate(chat(PROMPTS[3]), 30)
     pieces, finish, usage = [], None, None
@@ -248,6 +257,10 @@ BAD = [  # (endpoint, body, status, param)
     ("chat", {k: v for k, v in OK_CHAT.items() if k != "messages"}, 400, "messages"),
     ("chat", {**OK_CHAT, "messages": [{"role": "robot", "content": "w5"}]}, 400, "messages.0.role"),
     ("chat", {**OK_CHAT, "messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("chat", {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content"),
+    ("chat", {**OK_CHAT, "messages": [{"role": "user", "content": []}]}, 400, "messages.0.content"),
+    ("chat", {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.0.content"),
     ("chat", {**OK_CHAT, "colour": "blue"}, 400, "colour"),
     ("chat", {**OK_CHAT, "temperature": "hot"}, 400, "temperature"),
     ("chat", {**OK_CHAT, "temperature": 2.5}, 400, "temperature"),

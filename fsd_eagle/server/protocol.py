@@ -96,10 +96,40 @@ class SamplingFields(Strict):
         return None
 
 
+class TextPart(Strict):
+    """A text part of a message's content (the OpenAI content-part form, ``{"type": "text", "text": ...}``)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(Strict):
+    """One message: its content a string, or a list of text parts that join into one (with newlines, as
+    vLLM joins them). Other parts (images, audio, files) are refused by name: the target reads text."""
+
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("a list of content parts needs at least one part")
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"part {i} is of type {kind!r}; this server takes text parts only")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i} needs a 'text' string")
+                if set(part) - {"type", "text"}:
+                    raise ValueError(f"part {i}: unknown field {sorted(set(part) - {'type', 'text'})[0]!r}")
+        return v
+
+    def text(self) -> str:
+        """The message's content as one string."""
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):

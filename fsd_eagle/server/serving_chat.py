@@ -14,7 +14,7 @@ ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, whic
 
 
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
-    messages = [{"role": ROLES.get(m.role, m.role), "content": m.content} for m in req.messages]
+    messages = [{"role": ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages]
     jobs, inbox, prompt_len = serving.jobs(req, messages, chat=True, streaming=req.stream)
     serving.submit(jobs)
     rid, created, model = new_id("chatcmpl"), now(), serving.settings.model_name
