@@ -154,6 +154,17 @@ def test_text_content_parts_join_into_one_message(served, ref):
     assert got.usage.prompt_tokens == len(ref.encode(chat(f"{PROMPTS[4]}\n{PROMPTS[5]}")))
 
 
+def test_the_chat_template_gets_each_message_as_one_string_with_its_role_and_name():
+    from fsd_eagle.server.protocol import ChatCompletionRequest
+    from fsd_eagle.server.serving_chat import template_messages
+
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": "hi", "name": "ann"}]})
+    assert template_messages(req) == [{"role": "system", "content": "be\nbrief"},
+                                      {"role": "user", "content": "hi", "name": "ann"}]
+
+
 def test_streams_add_up_to_the_text_and_end_with_done(served, ref):
     expect = ref.generate(chat(PROMPTS[3]), 30)
     pieces, finish, usage = [], None, None

@@ -13,8 +13,15 @@ from .serving import FINISH_REASONS, Serving, stream_events, usage
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which chat templates know
 
 
+def template_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the chat template takes them: the role a template knows, the content as one
+    string, and the participant's ``name`` where the message has one (templates that use it render it)."""
+    return [{"role": ROLES.get(m.role, m.role), "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in req.messages]
+
+
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, raw: Request):
-    messages = [{"role": ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages]
+    messages = template_messages(req)
     jobs, inbox, prompt_len = serving.jobs(req, messages, chat=True, streaming=req.stream)
     serving.submit(jobs)
     rid, created, model = new_id("chatcmpl"), now(), serving.settings.model_name
