@@ -35,5 +35,5 @@ wait_job() {
 # Wait until the job in folder $1 has ended (its rc written, or its process gone): a run queued behind
 # another must not share the GPU with it.
 wait_for_job() {
-  while [ ! -f "$1/rc" ] && { [ ! -f "$1/pid" ] || kill -0 "$(cat "$1/pid")" 2> /dev/null; }; do sleep 5; done
+  while [ ! -f "$1/rc" ] && JOB=$1 running; do sleep 5; done
 }
