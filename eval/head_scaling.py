@@ -5,6 +5,7 @@ per trained head, with the stop rule's verdict per axis.
         --gpu-seconds 1500 --mt-bench tau_mt.json [--spec-bench tau_sb.json] --recipe RECIPE.json \\
         --device "NVIDIA H200" --code abc1234 --command "eval/device/head.sh ..."
     python -m eval head-scaling spec-bench --name data-2x tau_sb.json   # measured apart from the training run
+    python -m eval head-scaling attempt --axis steps --gpu-seconds 780 --why "the host was taken back"  # no point
     python -m eval head-scaling show
     python -m eval head-scaling draw    # the figure again, e.g. after a change to how it is drawn
 
@@ -19,8 +20,10 @@ writes them. ``add`` writes or replaces the point of that name in the study's fi
 
 The stop rule: along an axis, points are ordered by the axis' quantity; each step between neighbours is
 converted to a gain per doubling, ``(tau_b / tau_a) ** (1 / log2(x_b / x_a)) - 1``; when the last step's gain
-per doubling is under ``STOP_GAIN`` (2 %), that axis stops. A capacity point helps when its tau beats its
-baseline's by at least ``STOP_GAIN``.
+per doubling is under ``STOP_GAIN`` (2 %), that axis stops. An axis also stops once it has spent
+``AXIS_GPU_LIMIT_S`` (3 hours) of GPU time in all: its own points' ``gpu_seconds`` plus the runs of that axis
+that made no point (``attempt``: a host taken back, a run stopped). A capacity point helps when its tau beats
+its baseline's by at least ``STOP_GAIN``.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "eval" / "results" / "head_scaling.json"
 DEFAULT_FIGURE = ROOT / "docs" / "figures" / "head_scaling.svg"
 STOP_GAIN = 0.02
+AXIS_GPU_LIMIT_S = 3 * 3600
 AXES = {"data": "loss_tokens", "steps": "steps", "capacity": None}  # axis -> the quantity it orders points by
 WHAT = ("The draft head's scaling study for the default model: MT-bench tau (80 first turns, greedy) and Spec-Bench "
         "tau per category of heads trained with one recipe each, against loss tokens at a fixed number of steps (data), "
         "training steps at fixed data (steps) and head capacity at equal training compute (capacity). Stop rule: an "
-        "axis stops when its last doubling adds less than 2 % tau.")
+        "axis stops when its last doubling adds less than 2 % tau, or when it has spent 3 hours of GPU time in all "
+        "(its points and its attempts, runs that made no point).")
 
 
 def per_doubling(x_a: float, tau_a: float, x_b: float, tau_b: float) -> float:
@@ -97,9 +102,27 @@ def axis_points(points: list[dict], axis: str) -> list[dict]:
     return mine + [by_name[name] for name in sorted(bases) if name in by_name]
 
 
-def verdicts(points: list[dict]) -> dict:
-    """The stop rule's verdict per axis."""
-    result = {axis: axis_verdict(axis_points(points, axis), key) for axis, key in AXES.items() if key}
+def gpu_seconds_by_axis(points: list[dict], attempts: list[dict]) -> dict[str, float]:
+    """GPU seconds each axis has spent: its own points' (not the baselines it borrows) and its attempts'."""
+    spent = {axis: 0.0 for axis in AXES}
+    for run in [*points, *attempts]:
+        spent[run["axis"]] += run.get("gpu_seconds") or 0.0
+    return {axis: round(s, 1) for axis, s in spent.items()}
+
+
+def verdicts(points: list[dict], attempts: list[dict] = ()) -> dict:
+    """The stop rule's verdict per axis: the gain rule's, or "stop" once the axis has spent its GPU time."""
+    spent = gpu_seconds_by_axis(points, list(attempts))
+    result = {}
+    for axis, key in AXES.items():
+        if not key:
+            continue
+        v = {**axis_verdict(axis_points(points, axis), key), "gpu_seconds": spent[axis]}
+        if spent[axis] >= AXIS_GPU_LIMIT_S and v["verdict"] != "stop":
+            v["verdict"] = "stop"
+            v["why"] = (f"{spent[axis] / 3600:.1f} h of GPU time spent, the most an axis gets "
+                        f"({AXIS_GPU_LIMIT_S / 3600:g} h)")
+        result[axis] = v
     result["capacity"] = capacity_verdicts(points)
     return result
 
@@ -156,11 +179,13 @@ def attach_spec_bench(study: dict, name: str, path: Path) -> dict:
 
 def load_study(path: Path) -> dict:
     if not path.exists():
-        return {"what": WHAT, "stop_gain": STOP_GAIN, "points": []}
+        return {"what": WHAT, "stop_gain": STOP_GAIN, "points": [], "attempts": []}
     try:
         study = json.loads(path.read_text())
         if not isinstance(study, dict) or not isinstance(study.get("points"), list):
             raise ValueError("no points list")
+        if not isinstance(study.setdefault("attempts", []), list):
+            raise ValueError("attempts is not a list")
     except (OSError, ValueError) as e:
         raise InputError(f"{path} is not a head-scaling study: {e}") from None
     return study
@@ -208,8 +233,27 @@ def add(args: argparse.Namespace) -> dict:
         point.update(spec_bench_fields(args.spec_bench))
     point = {k: v for k, v in point.items() if v is not None}
     study["points"] = [p for p in study["points"] if p["name"] != args.name] + [point]
-    study["verdicts"] = verdicts(study["points"])
+    return with_verdicts(study)
+
+
+def with_verdicts(study: dict) -> dict:
+    """The study with its description, rule constants and verdicts as this code computes them."""
+    study.update(what=WHAT, stop_gain=STOP_GAIN, axis_gpu_limit_s=AXIS_GPU_LIMIT_S)
+    study["verdicts"] = verdicts(study["points"], study["attempts"])
     return study
+
+
+def add_attempt(args: argparse.Namespace) -> dict:
+    """The study with a run that made no point recorded on its axis (its GPU time counts towards the axis'
+    limit), verdicts recomputed."""
+    positive("gpu-seconds", args.gpu_seconds)
+    if not args.why.strip():
+        raise InputError("--why must say why the run made no point")
+    study = load_study(args.file)
+    attempt = {"axis": args.axis, "gpu_seconds": args.gpu_seconds, "why": args.why, "device": args.device,
+               "date": args.date, "code": args.code, "command": args.command}
+    study["attempts"].append({k: v for k, v in attempt.items() if v is not None})
+    return with_verdicts(study)
 
 
 def plot(study: dict) -> str:
@@ -270,7 +314,10 @@ def show(study: dict) -> str:
         if axis == "capacity":
             lines += [f"capacity {c['name']}: {c['verdict']}" for c in v]
         else:
-            lines.append(f"{axis}: {v['verdict']}" + (f" ({v['why']})" if "why" in v else ""))
+            spent = f"; {v['gpu_seconds'] / 3600:.2f} h of GPU time" if "gpu_seconds" in v else ""
+            lines.append(f"{axis}: {v['verdict']}" + (f" ({v['why']}{spent})" if "why" in v else ""))
+    for run in study.get("attempts") or []:
+        lines.append(f"attempt ({run['axis']}, {run['gpu_seconds']:,.0f} GPU s, no point): {run['why']}")
     return "\n".join(lines)
 
 
@@ -302,6 +349,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--name", required=True, help="the point")
     b.add_argument("result", type=Path, help="python -m eval tau --questions spec_bench's result")
     b.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    t = sub.add_parser("attempt", help="record a run that made no point; its GPU time counts towards its axis")
+    t.add_argument("--axis", required=True, choices=list(AXES))
+    t.add_argument("--gpu-seconds", type=float, required=True, help="GPU seconds the run held")
+    t.add_argument("--why", required=True, help="why it made no point")
+    t.add_argument("--device")
+    t.add_argument("--date", default=datetime.date.today().isoformat())
+    t.add_argument("--code")
+    t.add_argument("--command")
+    t.add_argument("--file", type=Path, default=DEFAULT_FILE)
     s = sub.add_parser("show", help="the study's points and verdicts")
     s.add_argument("--file", type=Path, default=DEFAULT_FILE)
     d = sub.add_parser("draw", help="redraw the study's figure from its file (add does this itself)")
@@ -318,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
             if write_figure(study, args.figure):
                 print(f"wrote {args.figure}", file=sys.stderr)
+        elif args.command_name == "attempt":
+            study = add_attempt(args)
+            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
         elif args.command_name == "spec-bench":
             study = attach_spec_bench(load_study(args.file), args.name, args.result)
             write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from eval.head_scaling import STOP_GAIN, axis_verdict, main, per_doubling, verdicts
+from eval.head_scaling import AXIS_GPU_LIMIT_S, STOP_GAIN, axis_verdict, main, per_doubling, verdicts
 
 
 def _tau(path, all_, **categories):
@@ -194,3 +194,33 @@ def test_the_committed_figure_is_drawn_from_the_committed_study(tmp_path, capsys
     assert main(["draw", "--figure", str(figure)]) == 0 and figure.read_text() == DEFAULT_FIGURE.read_text()
     figure.write_text("<svg>someone else's</svg>")
     assert main(["draw", "--figure", str(figure)]) == 2 and figure.read_text() == "<svg>someone else's</svg>"
+
+
+def test_an_axis_stops_once_it_has_spent_its_gpu_time_attempts_included(tmp_path, capsys):
+    """The 3-hour rule: an axis whose points and attempts (runs that made no point) have spent
+    AXIS_GPU_LIMIT_S stops although its last doubling still gains; baselines it borrows are not its time."""
+    study, figure = tmp_path / "head_scaling.json", tmp_path / "head_scaling.svg"
+    common = ["--file", str(study), "--figure", str(figure), "--loss-tokens", "14e6"]
+    for name, steps, tau in (("s1", "1000", 3.0), ("s2", "2000", 3.3)):
+        assert main(["add", "--name", name, "--axis", "steps", "--steps", steps, "--gpu-seconds", "3000",
+                     "--mt-bench", str(_tau(tmp_path / f"{name}.json", tau)), *common]) == 0
+    assert main(["add", "--name", "d2", "--axis", "data", "--loss-tokens", "28e6", "--steps", "2000",
+                 "--baseline", "s2", "--gpu-seconds", "2000", "--file", str(study), "--figure", str(figure),
+                 "--mt-bench", str(_tau(tmp_path / "d2.json", 3.5))]) == 0
+    data = json.loads(study.read_text())
+    assert data["verdicts"]["steps"]["verdict"] == "continue" and data["verdicts"]["steps"]["gpu_seconds"] == 6000
+    assert data["verdicts"]["data"]["gpu_seconds"] == 2000  # s2 is its baseline, not its time
+    assert main(["attempt", "--axis", "steps", "--gpu-seconds", "4800", "--why", "the host was taken back",
+                 "--file", str(study)]) == 0
+    data = json.loads(study.read_text())
+    assert data["attempts"] == [{"axis": "steps", "gpu_seconds": 4800.0, "why": "the host was taken back",
+                                 "date": data["attempts"][0]["date"]}]
+    steps = data["verdicts"]["steps"]
+    assert steps["gpu_seconds"] == 10800 == AXIS_GPU_LIMIT_S and steps["verdict"] == "stop"
+    assert "3.0 h of GPU time" in steps["why"] and data["verdicts"]["data"]["verdict"] == "continue"
+    out = capsys.readouterr().out
+    assert "steps: stop" in out and "attempt (steps, 4,800 GPU s, no point): the host was taken back" in out
+    for bad in (["--gpu-seconds", "0", "--why", "x"], ["--gpu-seconds", "60", "--why", " "]):
+        assert main(["attempt", "--axis", "steps", *bad, "--file", str(study)]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    assert len(json.loads(study.read_text())["attempts"]) == 1
