@@ -257,9 +257,9 @@ def llama8b_round_cost(dtype: torch.dtype, device: torch.device, tau: float, com
 def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
     """Copies of the method rows, rounded, with: speedup vs transformers ``generate`` and vs our AR with the
     same backend and sampling settings (same kernels; HF's row against the graph AR); for sampling rows, the
-    ratio to the same method's greedy row (``vs_greedy``: of the same tree, or else of the only greedy row of
-    that method, rule and backend, as when a preset samples with a tree of its own; ``greedy_tree`` then names
-    that row's tree); for greedy rows, token agreement with those ARs' outputs (sampled texts differ by
+    ratio to the same method's greedy row (``vs_greedy``: of the same head and tree, or else of the only
+    greedy row of that method, rule, backend and head, as when a preset samples with a tree of its own;
+    ``greedy_tree`` then names that row's tree); for greedy rows, token agreement with those ARs' outputs (sampled texts differ by
     design, so they get none)."""
     from eval.metrics import token_agreement
 
@@ -268,7 +268,7 @@ def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
 
     ar_rows = {settings(r): r for r in rows if r["method"] == "ar"}
     base_hf = next((r["tokens_per_s"] for r in rows if r["method"] == "hf_generate"), None)
-    greedy = {(r["method"], r.get("divergence"), r.get("threshold"), r["backend"], r.get("tree")): r
+    greedy = {(r["method"], r.get("divergence"), r.get("threshold"), r["backend"], r.get("head"), r.get("tree")): r
               for r in rows if not r.get("temperature")}
 
     def agreement(row: dict, ar_row: dict) -> float:
@@ -282,10 +282,10 @@ def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
         same = ar_rows.get(settings(row), ar_rows.get(("graph", 0.0, 1.0)))
         row["speedup_vs_ar"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3) if same else None
         if row.get("temperature"):
-            rule = (row["method"], row.get("divergence"), row.get("threshold"), row["backend"])
+            rule = (row["method"], row.get("divergence"), row.get("threshold"), row["backend"], row.get("head"))
             base = greedy.get(rule + (row.get("tree"),))
             if base is None:
-                of_rule = [r for key, r in greedy.items() if key[:4] == rule]
+                of_rule = [r for key, r in greedy.items() if key[:5] == rule]
                 base = of_rule[0] if len(of_rule) == 1 else None
                 if base is not None:
                     row["greedy_tree"] = base.get("tree")
@@ -320,6 +320,13 @@ def parse_fsd(text: str) -> list[tuple[str, float]]:
             raise SystemExit(f"error: --fsd takes divergence:threshold pairs (e.g. kl:1,reverse_kl:1), got {item!r}")
         out.append((div, parse_threshold(t)))
     return out
+
+
+def compare_names(heads: list[str]) -> dict[str, str]:
+    """Each compared head's suffix in row names: its folder's name, with its place (1, 2, ...) added where
+    two heads share a folder name."""
+    names = [Path(h).name or str(h) for h in heads]
+    return {h: n if names.count(n) == 1 else f"{n}{i + 1}" for i, (h, n) in enumerate(zip(heads, names))}
 
 
 def load_prompts(source: str, limit: int) -> list[str]:
@@ -363,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target")
     p.add_argument("--head")
     p.add_argument("--draft-model", help="a small causal LM folder drafting instead of a head (classic SD)")
+    p.add_argument("--compare-head", action="append", default=[], metavar="HEAD",
+                   help="also measure the drafting rows with this head (repeatable), after the rest of the run and "
+                        "against its plain-decoding rows: rows named ...@<its folder's name>, recording the head")
     p.add_argument("--prompts", choices=("mt_bench", "gsm8k", "arith"), default="mt_bench",
                    help="MT-bench first turns (default), or GSM8K / arithmetic test problems as the sweep asks them")
     p.add_argument("--device", default="cuda")
@@ -422,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     if not children_kinds or any(c not in ("top", "sampled") for c in children_kinds):
         raise SystemExit(f"error: --children takes top and/or sampled, comma-separated; got {a.children!r}")
     trees = parse_trees(a.trees)
+    if a.compare_head and a.tp > 1:
+        raise SystemExit("error: --compare-head measures on one GPU: leave out --tp")
+    head_names = compare_names(a.compare_head)
     if a.inductor_freezing:
         from fsd_eagle.decode import FREEZING_ENV
 
@@ -466,36 +479,41 @@ def main(argv: list[str] | None = None) -> int:
     device_name = device_label(dev)
     # Plain decoding does not depend on the tree: its rows come once, the drafting rows once per tree.
     tree_runs = [(t, [m for m in ours if m[0] != "ar" or t is trees[0]]) for t in trees] or [(None, ours)]
-    for backend in backends:
-        gen.configure(cuda_graphs=backend != "eager", compile=backend == "compiled")
-        for run_tree, methods_here in tree_runs:
-            if run_tree is not None:
-                tree = gen.set_tree(**dataclasses.asdict(run_tree))
-            for method, div, threshold, kwargs in methods_here:
-                for temperature, children in sampling_rows(method, temperatures, children_kinds):
-                    sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
-                    planned = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
-                               **sampling, "children": children,
-                               "tree": "ar" if method == "ar" else gen.tree_for(temperature).label}
-                    if not row_wanted(row_patterns(a.rows), planned, with_tree=bool(trees)):
-                        continue
-                    seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
-                    row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling, **kwargs,
-                                       children=children)  # as named: a pool tree's default would be "sampled"
-                    row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
-                           **sampling, **({"children": children} if children != "top" else {}),
-                           "tree": "ar" if method == "ar" else gen.tree_for(temperature).label, "prompts": len(prompts),
-                           **row}
-                    row["name"] = _label(row, with_tree=bool(trees))
-                    outputs[row["name"]] = row.pop("outputs", None)
-                    rows.append(row)
-                    # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
-                    write_text_atomic(partial, json.dumps(annotate(rows, outputs, device_name), default=str))
-                    print(row["name"], round(row["tokens_per_s"], 1), "tok/s", "tau", round(row["tau"], 2),
-                          row["mode"], row["attention"], flush=True)
+
+    def measure(gen, tree_runs, head: str | None = None) -> None:
+        """Every wanted row of ``tree_runs`` with ``gen``, appended to ``rows`` (a compared ``head``: named
+        ``...@head``, recording it); the partial file rewritten after each."""
+        for backend in backends:
+            gen.configure(cuda_graphs=backend != "eager", compile=backend == "compiled")
+            for run_tree, methods_here in tree_runs:
+                if run_tree is not None:
+                    gen.set_tree(**dataclasses.asdict(run_tree))
+                for method, div, threshold, kwargs in methods_here:
+                    for temperature, children in sampling_rows(method, temperatures, children_kinds):
+                        sampling = dict(temperature=temperature, top_p=a.top_p if temperature else 1.0)
+                        planned = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
+                                   **sampling, "children": children,
+                                   "tree": "ar" if method == "ar" else gen.tree_for(temperature).label}
+                        if not row_wanted(row_patterns(a.rows), planned, with_tree=bool(trees)):
+                            continue
+                        seeds = {p: a.seed + i for i, p in enumerate(prompts)} if temperature else None
+                        row = bench_method(gen, prompts, a.max_new_tokens, a.repeats, seeds=seeds, **sampling,
+                                           **kwargs, children=children)  # as named: a pool tree's default is "sampled"
+                        row = {"method": method, "divergence": div, "threshold": threshold, "backend": backend,
+                               **sampling, **({"children": children} if children != "top" else {}),
+                               "tree": "ar" if method == "ar" else gen.tree_for(temperature).label,
+                               "prompts": len(prompts), **({"head": head} if head else {}), **row}
+                        row["name"] = _label(row, with_tree=bool(trees)) + (f"@{head_names[head]}" if head else "")
+                        outputs[row["name"]] = row.pop("outputs", None)
+                        rows.append(row)
+                        # Every row so far, complete (speedups, agreement): a run cut short keeps what it measured.
+                        write_text_atomic(partial, json.dumps(annotate(rows, outputs, device_name), default=str))
+                        print(row["name"], round(row["tokens_per_s"], 1), "tok/s", "tau", round(row["tau"], 2),
+                              row["mode"], row["attention"], flush=True)
+
+    measure(gen, tree_runs)
     if trees:  # the stage breakdown, memory and metadata: the first tree
         tree = gen.set_tree(**dataclasses.asdict(trees[0]))
-    rows = annotate(rows, outputs, device_name)
     extra = {}
     if dev.type == "cuda" and not a.rows_only:
         for backend in backends[-2:] if compiled else ["graph"]:
@@ -514,15 +532,28 @@ def main(argv: list[str] | None = None) -> int:
     if mem:
         extra["peak_mem_gb_2048_context"] = {**mem, "backend": "compiled" if gen.compile else "graph"}
     tau = next((r["tau"] for r in rows if r["method"] == "eagle2" and r["backend"] == backends[-1]
-                and not r.get("temperature") and r.get("tree") == tree.label), None)
+                and not r.get("temperature") and r.get("tree") == tree.label and "head" not in r), None)
     if not a.skip_8b and not a.rows_only and dev.type == "cuda" and tau is not None:
         extra["llama3_8b_shape"] = llama8b_round_cost(gen.target.dtype, dev, tau, compiled)
+    dtype_name = str(gen.target.dtype).replace("torch.", "")
+    if a.compare_head:  # the same drafting rows with each other head, against the same plain-decoding rows
+        tree_args = dataclasses.asdict(tree)
+        gen.release()
+        del gen
+        for other in a.compare_head:
+            gen = SpeculativeGenerator.load(target=a.target, head=other, device=a.device, dtype=a.dtype,
+                                            threads=a.threads)
+            gen.set_tree(**tree_args)
+            measure(gen, [(t, [m for m in methods_here if m[0] != "ar"]) for t, methods_here in tree_runs], other)
+            gen.release()
+            del gen
+    rows = annotate(rows, outputs, device_name)
     result = {"rows": rows, **extra,
               "meta": {"date": date.today().isoformat(), "device": device_name, "torch": torch.__version__,
-                       "transformers": transformers.__version__, "dtype": str(gen.target.dtype).replace("torch.", ""),
+                       "transformers": transformers.__version__, "dtype": dtype_name,
                        "threads": torch.get_num_threads(), "prompts": len(prompts), "tp_size": a.tp,
                        "prompt_source": a.prompts, "target": a.target or "default", "head": a.head,
-                       "draft_model": a.draft_model,
+                       "draft_model": a.draft_model, "compare_heads": a.compare_head or None,
                        "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "tree": tree.to_dict(),
                        "trees": [t.label for t in trees] or None,
                        "temperatures": temperatures, "top_p": a.top_p, "children": children_kinds, "seed": a.seed,

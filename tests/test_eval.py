@@ -874,6 +874,39 @@ def test_speed_compares_several_trees_in_one_run(folders, tmp_path):
         eval_main(["speed", "--device", "cpu", "--trees", "6/3", "--out", str(tmp_path / "x.json")])
 
 
+def test_speed_compares_another_head_in_the_same_run(folders, tmp_path, monkeypatch):
+    """--compare-head: the drafting rows again with another head (loaded after the run's own rows), named
+    ...@<folder>, recording it, against the run's plain-decoding rows (speedup, agreement: float32 greedy is
+    AR's tokens with either head), a sampling row's vs_greedy against the greedy row of its own head."""
+    loaded, load = [], SpeculativeGenerator.load.__func__
+    monkeypatch.setattr(SpeculativeGenerator, "load",
+                        classmethod(lambda cls, **kw: loaded.append(kw["head"]) or load(cls, **kw)))
+    (tmp_path / "other").mkdir()
+    other = save_target_and_head(tmp_path / "other", head_seed=11)  # the same target, another random head
+    (other / "head").rename(other / "draft")
+    out = tmp_path / "speed.json"
+    assert eval_main(["speed", "--target", str(folders / "target"), "--head", str(folders / "head"), "--device", "cpu",
+                      "--limit", "2", "--max-new-tokens", "8", "--repeats", "1", "--methods", "ar,eagle2",
+                      "--temperatures", "0,0.7", "--total-tokens", "6", "--depth", "3", "--tree-top-k", "2",
+                      "--threads", "1", "--rows-only", "--compare-head", str(other / "draft"),
+                      "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert sorted(rows) == ["ar_graph", "ar_graph_t0.7", "eagle2_graph", "eagle2_graph@draft",
+                            "eagle2_graph_t0.7", "eagle2_graph_t0.7@draft"]
+    mine, theirs = rows["eagle2_graph"], rows["eagle2_graph@draft"]
+    assert theirs["head"] == str(other / "draft") and "head" not in mine
+    assert mine["agreement_vs_ar"] == 1.0 == theirs["agreement_vs_ar"]
+    assert abs(theirs["speedup_vs_ar"] - theirs["tokens_per_s"] / rows["ar_graph"]["tokens_per_s"]) < 1.5e-3
+    sampled = rows["eagle2_graph_t0.7@draft"]
+    assert abs(sampled["vs_greedy"] - sampled["tokens_per_s"] / theirs["tokens_per_s"]) < 1.5e-3
+    assert loaded == [str(folders / "head"), str(other / "draft")]
+    assert result["meta"]["compare_heads"] == [str(other / "draft")]
+    with pytest.raises(SystemExit, match="--compare-head"):
+        eval_main(["speed", "--device", "cpu", "--tp", "2", "--compare-head", str(other / "draft"),
+                   "--out", str(tmp_path / "x.json")])
+
+
 def test_speed_rows_of_one_named_tree_and_a_sampling_tree_of_its_own(folders, tmp_path):
     """A run given one tree names its rows by it (so a warm-up of one tree of a larger run measures the rows
     that the larger run's --rows names), and a sampling row whose tree has no greedy row of its own is compared
