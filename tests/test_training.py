@@ -285,6 +285,27 @@ def test_answers_choose_the_training_set_and_max_steps_caps_training(llama, tmp_
     assert counts["both"] == counts["original"] + counts["distilled"] and counts["original"] > counts["distilled"]
 
 
+def test_cudnn_attention_off_keeps_sdpa_off_cudnn_in_every_step_and_resumes_either_way(llama, tmp_path,
+                                                                                          monkeypatch):
+    """--cudnn-attention off (recipe "cudnn_attention": false): every training step runs with SDPA's cuDNN
+    kernel disabled, and the setting is restored after the run; on (the default) leaves it enabled. A run
+    resumes under the other setting (the same attention, other kernels), and a non-boolean value is refused."""
+    import training.train as train_module
+
+    seen, loss = [], train_module.head_loss
+    monkeypatch.setattr(train_module, "head_loss",
+                        lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or loss(*a, **k))
+    out = tmp_path / "off"
+    assert main(llama.argv(out, "--max-steps", 2, "--stop-after", 0, "--cudnn-attention", "off")) == 0
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
+    assert main(llama.argv(out, "--max-steps", 2, "--resume", "--cudnn-attention", "on")) == 0
+    assert seen == [False, True] and _progress(out)["step"] == 2
+    assert (out / "head" / "model.safetensors").exists()
+    recipe = llama.write_recipe("recipe_cudnn.json", cudnn_attention="no")
+    assert main(llama.argv(tmp_path / "bad", recipe=recipe)) == 2
+    assert not (tmp_path / "bad").exists()
+
+
 def test_distill_regenerates_later_turns_after_the_targets_own_answers(llama):
     """distill(turns=N): turn k answers the k-th user message after the target's own earlier answers (the
     original answers are gone), each answer the target's greedy continuation; a conversation with fewer

@@ -214,6 +214,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
             if problem:
                 raise InputError(f"--{key.replace('_', '-')} {problem}")
             setattr(recipe, key, getattr(args, key))
+    if args.cudnn_attention is not None:
+        recipe.cudnn_attention = args.cudnn_attention == "on"
     check_threads(args.threads)
     if args.data:
         recipe.data = args.data
@@ -474,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the head's MLP width (0: the target's intermediate size; default: the recipe's)")
     r.add_argument("--max-steps", type=int,
                    help="stop training after N steps, the schedule fitted to them (0: no cap; default: the recipe's)")
+    r.add_argument("--cudnn-attention", choices=("on", "off"),
+                   help="let SDPA use cuDNN's attention kernel in training (default: the recipe's, on); off: "
+                        "flash / memory-efficient / math only (cuDNN plans each new batch shape anew)")
     r.add_argument("--time-budget", type=float,
                    help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")
     r.add_argument("--stop-after", type=float,

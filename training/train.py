@@ -265,10 +265,24 @@ def load_checkpoint(out: Path, head: EagleHead, opt: torch.optim.Optimizer,
     return prog["step"], prog["epoch"], prog["log"], schedule
 
 
+def attention_kernels(recipe: Recipe):
+    """The SDPA kernels training may use: torch's choice, or with ``recipe.cudnn_attention`` false every
+    kernel but cuDNN's. cuDNN's attention (torch's first choice on sm90+ with a recent cuDNN) builds an
+    execution plan for each new tensor shape, and nearly every batch of a first epoch has a new [B, T]."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if recipe.cudnn_attention:
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Recipe, out: Path,
           resume: bool = False, validate=None, time_budget_s: float | None = None,
           stop_after_s: float | None = None, ranks: Ranks = Ranks()) -> tuple[list[dict], bool]:
     """Train ``head`` in place; checkpoints in ``out/checkpoint``. Returns (per-epoch log, finished).
+    Attention runs on the kernels ``attention_kernels(recipe)`` allows.
 
     ``ranks``: with several data-parallel processes (training/ddp.py) each takes every ``world``-th batch of
     an epoch (a step is ``world`` batches, an epoch ``len(batches) // world`` steps), gradients are averaged
@@ -288,6 +302,12 @@ def train(target: Target, head: EagleHead, train_set: list[Example], recipe: Rec
     continued with ``resume`` (e.g. a run longer than one job of a time-limited machine).
     On KeyboardInterrupt (Ctrl-C) a checkpoint of the steps done is saved, then the interrupt goes on.
     """
+    with attention_kernels(recipe):
+        return _train(target, head, train_set, recipe, out, resume, validate, time_budget_s, stop_after_s, ranks)
+
+
+def _train(target: Target, head: EagleHead, train_set: list[Example], recipe: Recipe, out: Path, resume: bool,
+           validate, time_budget_s: float | None, stop_after_s: float | None, ranks: Ranks) -> tuple[list[dict], bool]:
     if not train_set:
         raise InputError("no training examples")
     device = target.device
