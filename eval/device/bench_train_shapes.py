@@ -8,8 +8,8 @@ recipe's EAGLE-3 head take ``--shapes`` batch shapes twice, one timed step each 
 the head's unrolled loss, backward, AdamW), under each variant:
 
 - ``default``: as the trainer runs;
-- ``no-cudnn-sdp``: with cuDNN's attention kernel switched off (``torch.backends.cuda.enable_cudnn_sdp``),
-  which builds an execution plan per new shape;
+- ``no-cudnn-sdp``: as ``--cudnn-attention off`` trains (``training.train.attention_kernels``): every SDPA
+  kernel but cuDNN's, which builds an execution plan per new shape;
 - ``target-only``: the target's forward alone (``target_features``), to tell its part from the head's.
 
 Run it once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (set before CUDA starts) and
@@ -19,6 +19,7 @@ Run it once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (set 
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ from fsd_eagle.target import Target  # noqa: E402
 from training.cli import head_config  # noqa: E402
 from training.recipe import Recipe  # noqa: E402
 from training.features import target_features  # noqa: E402
-from training.train import head_loss  # noqa: E402
+from training.train import attention_kernels, head_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("default", "no-cudnn-sdp", "target-only")
@@ -132,20 +133,20 @@ def main() -> int:
     for n, variant in enumerate(args.variants.split(",")):
         if variant not in VARIANTS:
             raise SystemExit(f"error: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
-        torch.backends.cuda.enable_cudnn_sdp(variant != "no-cudnn-sdp")
         torch.manual_seed(0)
         head = EagleHead(head_config(recipe, model.config.get_text_config(), "recipe")).to(device)
         head.train()
         # each variant gets shapes no earlier variant ran, so its first pass meets them new
         shapes = batch_shapes(args.shapes, recipe.tokens_per_batch, recipe.max_len, seed=1000 + n)
-        first = timed_steps(target, head, recipe, shapes, variant == "target-only")
-        again = timed_steps(target, head, recipe, shapes, variant == "target-only")
+        kernels = dataclasses.replace(recipe, cudnn_attention=variant != "no-cudnn-sdp")
+        with attention_kernels(kernels):
+            first = timed_steps(target, head, recipe, shapes, variant == "target-only")
+            again = timed_steps(target, head, recipe, shapes, variant == "target-only")
         results["variants"][variant] = {"shapes": len(shapes), **summary(first, again)}
         print(variant, json.dumps(results["variants"][variant]), flush=True)
         del head
         torch.cuda.empty_cache()
         write_text_atomic(args.out, json.dumps(results, indent=1) + "\n")
-    torch.backends.cuda.enable_cudnn_sdp(True)
     return 0
 
 
