@@ -259,8 +259,8 @@ def annotate(rows: list[dict], outputs: dict, device_name: str) -> list[dict]:
     same backend and sampling settings (same kernels; HF's row against the graph AR); for sampling rows, the
     ratio to the same method's greedy row (``vs_greedy``: of the same head and tree, or else of the only
     greedy row of that method, rule, backend and head, as when a preset samples with a tree of its own;
-    ``greedy_tree`` then names that row's tree); for greedy rows, token agreement with those ARs' outputs (sampled texts differ by
-    design, so they get none)."""
+    ``greedy_tree`` then names that row's tree); for greedy rows, token agreement with those ARs' outputs
+    (sampled texts differ by design, so they get none)."""
     from eval.metrics import token_agreement
 
     def settings(r: dict) -> tuple:

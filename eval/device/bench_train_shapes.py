@@ -74,7 +74,8 @@ def batch(shape: tuple[int, int], vocab: int, device: torch.device, seed: int):
     return ids.to(device), attn.to(device), mask.to(device)
 
 
-def timed_steps(target: Target, head: EagleHead, recipe: Recipe, shapes: list, target_only: bool = False) -> list[float]:
+def timed_steps(target: Target, head: EagleHead, recipe: Recipe, shapes: list,
+                target_only: bool = False) -> list[float]:
     """Seconds of one training step per shape (synchronised); ``target_only``: the target's forward alone."""
     opt = torch.optim.AdamW(head.parameters(), lr=1e-4)
     out = []
@@ -124,8 +125,8 @@ def main() -> int:
     folder = write_target_folder(smollm2_config(), Path(tempfile.mkdtemp()) / "target")
     model, _ = load_target(str(folder), device, torch.bfloat16)
     target = Target(model)
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "label": args.label,
-               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "variants": {}}
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+               "label": args.label, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "variants": {}}
     torch.manual_seed(0)  # one step first on a shape no variant runs (T < 64): library and kernel start-up
     head = EagleHead(head_config(recipe, model.config.get_text_config(), "recipe")).to(device)
     timed_steps(target, head, recipe, [(8, 63)])
