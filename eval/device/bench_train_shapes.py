@@ -122,8 +122,9 @@ def main() -> int:
     device = torch.device(args.device)
     recipe = Recipe.load(args.recipe)
     recipe.tokens_per_batch = args.tokens or recipe.tokens_per_batch
-    folder = write_target_folder(smollm2_config(), Path(tempfile.mkdtemp()) / "target")
-    model, _ = load_target(str(folder), device, torch.bfloat16)
+    with tempfile.TemporaryDirectory() as scratch:  # the zero-weight folder goes once the model is loaded
+        folder = write_target_folder(smollm2_config(), Path(scratch) / "target")
+        model, _ = load_target(str(folder), device, torch.bfloat16)
     target = Target(model)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                "label": args.label, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "variants": {}}
