@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import inspect
 import json
 import random
 import shutil
@@ -401,6 +402,61 @@ def test_an_interrupted_distillation_continues_from_its_journal_to_the_same_answ
     assert run(journal) == reference and len(calls) == made_alone - 2
     assert run(journal) == reference and len(calls) == 0  # everything kept: nothing made again
     assert run(journal, seed=1) != reference and len(calls) == made_alone  # another seed: its own journal
+
+
+def test_a_static_cache_distillation_gives_the_dynamic_caches_answers_in_one_shape(llama, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """distill(cache="static"): generate gets a static cache and every batch the shape [batch, prompt_tokens]
+    (the last short batch filled up with copies of a prompt), and the greedy answers are those of the dynamic
+    cache (float32); its journal has a name of its own. From the command line, --distill-cache static reaches
+    the distillation, a run resumes under the other setting, and a recipe value other than dynamic or static is
+    refused in one line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(llama.target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(llama.target)
+    convs = llama.convs[:5]  # batches of 2: the last one holds one prompt
+    real, calls = model.generate, []
+
+    def generate(*args, **kwargs):
+        calls.append((tuple(kwargs["input_ids"].shape), kwargs.get("cache_implementation")))
+        return real(*args, **kwargs)
+
+    model.generate = generate
+
+    def run(cache, journal=None):
+        calls.clear()
+        made = training.distill.distill(model, tokenizer, convs, 2, 64, 6, progress=False, journal=journal,
+                                        cache=cache)
+        return {c.id: c.messages for c in made}
+
+    dynamic, batches = run("dynamic"), len(calls)
+    assert {n for (n, _), _ in calls} == {1, 2} and {c for _, c in calls} == {None}
+    assert run("static") == dynamic
+    assert calls == [((2, 64), "static")] * batches
+    assert any(m["content"] for msgs in dynamic.values() for m in msgs if m["role"] == "assistant")
+    journals = {}
+    for cache in ("dynamic", "static"):
+        run(cache, tmp_path / cache)
+        journals[cache] = sorted(p.name for p in (tmp_path / cache).iterdir())
+    assert len(journals["static"]) == 1 and not set(journals["static"]) & set(journals["dynamic"])
+
+    seen, answer = [], training.distill._answer
+
+    def spy(*args, **kwargs):
+        seen.append(inspect.signature(answer).bind(*args, **kwargs).arguments.get("cache", "dynamic"))
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(training.distill, "_answer", spy)
+    assert main(llama.argv(tmp_path / "cli", "--stage", "distill", "--distill-cache", "static")) == 0
+    assert seen == ["static"]
+    assert main(llama.argv(tmp_path / "cli", "--resume", "--max-steps", 1, "--distill-cache", "dynamic")) == 0
+    assert seen == ["static"] and _progress(tmp_path / "cli")["step"] == 1  # resumed on the cached answers
+    recipe = llama.write_recipe("recipe_cache.json", distill_cache="paged")
+    capsys.readouterr()
+    assert main(llama.argv(tmp_path / "bad", recipe=recipe)) == 2
+    assert "distill_cache must be dynamic or static, not 'paged'" in _one_line_error(capsys)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_journal_keeps_answers_with_line_separators_and_drops_a_line_cut_inside_a_character(tmp_path):

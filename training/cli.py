@@ -161,7 +161,7 @@ def distilled_answers(out: Path, recipe: Recipe, model, tokenizer, train_convs: 
     distilled = distill_shared(ranks, model, tokenizer, pool, recipe.distill_batch, recipe.distill_prompt_tokens,
                                recipe.distill_new_tokens, recipe.distill_turns, cached,
                                settings["distill_turns"] if settings else 0, recipe.distill_temperature,
-                               recipe.distill_samples, recipe.seed, journal=journal)
+                               recipe.distill_samples, recipe.seed, journal=journal, cache=recipe.distill_cache)
     if ranks.is_main:
         write_conversations(distilled, cache)
         write_text_atomic(out / "distilled.json", json.dumps(_distill_settings(recipe)) + "\n")
@@ -207,8 +207,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     if args.target:
         recipe.target = args.target
     for key in ("epochs", "distill_count", "distill_batch", "distill_turns", "distill_temperature", "distill_samples",
-                "answers", "init", "unroll", "arch", "layers", "draft_vocab_size", "head_intermediate_size",
-                "max_steps"):
+                "distill_cache", "answers", "init", "unroll", "arch", "layers", "draft_vocab_size",
+                "head_intermediate_size", "max_steps"):
         if getattr(args, key) is not None:
             problem = field_problem(key, getattr(args, key))
             if problem:
@@ -450,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample the target's answers at this temperature (0: greedy; default: the recipe's)")
     r.add_argument("--distill-samples", type=int,
                    help="answers per conversation, sampled (needs --distill-temperature > 0; default: the recipe's)")
+    r.add_argument("--distill-cache", choices=("dynamic", "static"),
+                   help="self-distillation's KV cache (default: the recipe's, dynamic); static: every batch one "
+                        "shape, which generate compiles once on a GPU")
     r.add_argument("--extra-distilled", action="append", metavar="FILE",
                    help="the target's answers from an earlier run (its distilled.jsonl.gz), trained on beside this "
                         "run's own distilled answers (repeatable; overrides the recipe)")

@@ -19,7 +19,8 @@ from .data import Conversation
 @torch.no_grad()
 def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_tokens: int, new_tokens: int,
             turns: int = 1, done: list[Conversation] = (), done_turns: int = 0, temperature: float = 0.0,
-            samples: int = 1, seed: int = 0, progress: bool = True, journal: Path | None = None) -> list[Conversation]:
+            samples: int = 1, seed: int = 0, progress: bool = True, journal: Path | None = None,
+            cache: str = "dynamic") -> list[Conversation]:
     """Regenerate the first ``turns`` assistant turns of each conversation, turn by turn: turn k answers the
     conversation's k-th user message after the target's own earlier answers (the original answers are
     dropped), so every assistant turn of a result is the target's. Returns new conversations (source
@@ -34,7 +35,8 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
     ``done_turns`` on (a conversation it ended, or left out, stays so). ``progress``: show progress bars.
     ``journal``: a folder where each batch's answers are kept as it is made, so that a distillation
     interrupted (a Ctrl-C, a killed job, a machine's time ended) continues where it stopped when called again
-    with the same arguments, to the answers an uninterrupted call gives (see ``_answer``)."""
+    with the same arguments, to the answers an uninterrupted call gives (see ``_answer``). ``cache``: generate's
+    KV cache, "dynamic" or "static" (see ``_answer``)."""
     made = {c.id: c.messages for c in done}
     copies = [(sample_id(c.id, s), c) for c in convs for s in range(samples)]
     dialogs = {i: list(made.get(i, [])) for i, _ in copies}  # the regenerated conversation so far
@@ -46,7 +48,7 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
             if msgs is not None:
                 jobs.append((i, c, dialogs[i] + msgs))
         answers = _answer(model, tokenizer, [m for _, _, m in jobs], batch, prompt_tokens, new_tokens,
-                          f"distill turn {k + 1}", temperature, (seed * 1000 + k) % 2**63, progress, journal)
+                          f"distill turn {k + 1}", temperature, (seed * 1000 + k) % 2**63, progress, journal, cache)
         alive = []
         for (i, c, msgs), answer in zip(jobs, answers):
             if answer:
@@ -58,7 +60,7 @@ def distill(model, tokenizer, convs: list[Conversation], batch: int, prompt_toke
 def distill_shared(ranks, model, tokenizer, convs: list[Conversation], batch: int, prompt_tokens: int,
                    new_tokens: int, turns: int = 1, done: list[Conversation] = (), done_turns: int = 0,
                    temperature: float = 0.0, samples: int = 1, seed: int = 0,
-                   journal: Path | None = None) -> list[Conversation]:
+                   journal: Path | None = None, cache: str = "dynamic") -> list[Conversation]:
     """``distill`` shared by data-parallel processes (training/ddp.py): process r answers conversations r,
     r + N, ... (sampled answers draw from a stream seeded per process), and every process gets all the
     answers, in the order one process would have made them. Alone: ``distill`` itself."""
@@ -66,10 +68,10 @@ def distill_shared(ranks, model, tokenizer, convs: list[Conversation], batch: in
 
     if not ranks.parallel:
         return distill(model, tokenizer, convs, batch, prompt_tokens, new_tokens, turns, done, done_turns,
-                       temperature, samples, seed, journal=journal)
+                       temperature, samples, seed, journal=journal, cache=cache)
     mine = distill(model, tokenizer, convs[ranks.rank::ranks.world], batch, prompt_tokens, new_tokens, turns, done,
                    done_turns, temperature, samples, seed + 7919 * ranks.rank, progress=ranks.is_main,
-                   journal=journal)
+                   journal=journal, cache=cache)
     made = {c.id: c for part in gather_objects(mine, ranks) for c in part}
     return [made[i] for c in convs for i in (sample_id(c.id, s) for s in range(samples)) if i in made]
 
@@ -96,7 +98,7 @@ def _turn_prompt(messages: list[dict], k: int) -> list[dict] | None:
 
 def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_tokens: int, new_tokens: int,
             desc: str, temperature: float = 0.0, seed: int = 0, progress: bool = True,
-            journal: Path | None = None) -> list[str]:
+            journal: Path | None = None, cache: str = "dynamic") -> list[str]:
     """The target's answer to each chat prompt (its last ``prompt_tokens`` tokens): greedy, or sampled at
     ``temperature`` (the random state seeded from ``seed`` and the batch before each batch, so that a batch's
     answers do not depend on the batches made before it), in batches of similar lengths (less padding);
@@ -104,7 +106,13 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
 
     ``journal``: a folder where each batch's answers are appended as it is made, in a file named by a digest
     of everything they depend on (the token ids of the prompts, the batch size and the generation settings);
-    batches found there are not made again. The caller removes the folder once the answers are kept."""
+    batches found there are not made again. The caller removes the folder once the answers are kept.
+
+    ``cache`` "dynamic": each batch as long as its longest prompt, with transformers' default cache, which
+    grows by a concatenation of the whole cache every step. "static": a static cache written in place, and every
+    batch one shape [batch, prompt_tokens] (prompts left-padded to ``prompt_tokens``, a last short batch filled
+    up with copies of its last prompt, whose answers are dropped), so that on a GPU generate compiles its
+    decoding step once for the whole distillation. Greedy answers are the same either way up to rounding."""
     device = next(model.parameters()).device
     encoded = []
     for msgs in prompts:
@@ -113,12 +121,16 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     answers = [""] * len(prompts)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+    settings = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
+    static = cache == "static"
+    if static:
+        settings["cache_implementation"] = "static"
     starts = range(0, len(order), batch)
     kept, path = {}, None
     if journal is not None:
-        path = journal / f"{desc.replace(' ', '_')}.{_digest(encoded, batch, new_tokens, pad, temperature, seed)}.jsonl"
+        digest = _digest(encoded, batch, new_tokens, pad, temperature, seed, cache)
+        path = journal / f"{desc.replace(' ', '_')}.{digest}.jsonl"
         kept = _read_journal(path)
         for lo, texts in kept.items():
             for i, text in zip(order[lo: lo + batch], texts):
@@ -130,14 +142,15 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
         if temperature > 0:
             torch.manual_seed((seed * 1_000_003 + lo) % 2**63)
         chunk = order[lo: lo + batch]
-        t = max(len(encoded[i]) for i in chunk)
-        ids = torch.full((len(chunk), t), pad, dtype=torch.long)
-        attn = torch.zeros((len(chunk), t), dtype=torch.long)
+        rows, t = (batch, prompt_tokens) if static else (len(chunk), max(len(encoded[i]) for i in chunk))
+        ids = torch.full((rows, t), pad, dtype=torch.long)
+        attn = torch.zeros((rows, t), dtype=torch.long)
         for row, i in enumerate(chunk):
             ids[row, t - len(encoded[i]):] = torch.tensor(encoded[i])
             attn[row, t - len(encoded[i]):] = 1
+        ids[len(chunk):], attn[len(chunk):] = ids[len(chunk) - 1], attn[len(chunk) - 1]  # static: the filler rows
         gen = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=new_tokens,
-                             pad_token_id=pad, **sampling)
+                             pad_token_id=pad, **settings)[: len(chunk)]
         texts = [text.strip() for text in tokenizer.batch_decode(gen[:, t:], skip_special_tokens=True)]
         for i, text in zip(chunk, texts):
             answers[i] = text
@@ -149,9 +162,12 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
     return answers
 
 
-def _digest(encoded: list[list[int]], batch: int, new_tokens: int, pad: int, temperature: float, seed: int) -> str:
-    """What a batch's answers depend on besides the model, as a short hex digest (a journal's name)."""
-    what = json.dumps([encoded, batch, new_tokens, pad, temperature, seed], separators=(",", ":"))
+def _digest(encoded: list[list[int]], batch: int, new_tokens: int, pad: int, temperature: float, seed: int,
+            cache: str = "dynamic") -> str:
+    """What a batch's answers depend on besides the model, as a short hex digest (a journal's name); the
+    default cache adds nothing, so that a journal keeps its name."""
+    what = [encoded, batch, new_tokens, pad, temperature, seed] + ([cache] if cache != "dynamic" else [])
+    what = json.dumps(what, separators=(",", ":"))
     return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 

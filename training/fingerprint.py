@@ -25,7 +25,7 @@ SEED_FILES = frozenset({"distilled.jsonl.gz", "distilled.json"})
 # answers by check_distilled, which lets a resume extend them to more turns).
 RESUMABLE = frozenset({"epochs", "max_steps", "checkpoint_every", "val_prompts", "val_new_tokens", "distill_count",
                        "distill_batch", "distill_prompt_tokens", "distill_new_tokens", "distill_turns", "target",
-                       "data", "extra_distilled", "cudnn_attention"})
+                       "data", "extra_distilled", "cudnn_attention", "distill_cache"})
 
 
 def file_sha256(path: Path) -> str:

@@ -31,6 +31,7 @@ class Recipe:
     distill_turns: int = 1  # regenerate the first N assistant turns, each after the target's own earlier answers
     distill_temperature: float = 0.0  # 0 = the target's greedy answers; above 0 = sampled at this temperature
     distill_samples: int = 1  # answers per conversation (more than 1 needs distill_temperature > 0)
+    distill_cache: str = "dynamic"  # generate's KV cache in self-distillation: "dynamic" or "static" (distill._answer)
     extra_distilled: list[str] = field(default_factory=list)  # earlier runs' distilled.jsonl.gz, trained on too
     max_len: int = 1024
     tokens_per_batch: int = 16384
@@ -121,6 +122,7 @@ FLOAT_RANGES = {"distill_temperature": (0.0, True, None), "lr": (0.0, True, None
                 "unroll_decay": (0.0, True, None), "val_fraction": (0.0, True, 1.0)}
 ANSWERS = ("both", "distilled", "original")
 ARCHS = ("eagle2", "eagle3")
+DISTILL_CACHES = ("dynamic", "static")
 
 
 def field_problem(name: str, value) -> str | None:
@@ -147,6 +149,8 @@ def field_problem(name: str, value) -> str | None:
             return f"must be two numbers in [0, 1), got {value!r}"
     elif name == "answers" and value not in ANSWERS:
         return f"must be both, distilled or original, not {value!r}"
+    elif name == "distill_cache" and value not in DISTILL_CACHES:
+        return f"must be dynamic or static, not {value!r}"
     elif name == "arch" and value not in ARCHS:
         return f"must be eagle2 or eagle3, not {value!r}"
     elif name == "layers" and not (isinstance(value, list) and all(

@@ -67,6 +67,7 @@ def main() -> int:
     p.add_argument("--recipe", type=Path, default=ROOT / "training/recipes/smollm2-135m-instruct-eagle3.json")
     p.add_argument("--device", default="cuda", help="cpu: a quick check that it runs (tiny numbers)")
     args = p.parse_args()
+    import transformers
     from transformers import AutoModelForCausalLM
 
     recipe = Recipe.load(args.recipe)
@@ -75,11 +76,9 @@ def main() -> int:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(smollm2_config(), dtype=torch.bfloat16).to(device).eval()
     ids, attn = prompts(rows, recipe.distill_prompt_tokens, model.config.vocab_size, device)
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "rows": rows,
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
                "prompt_tokens": recipe.distill_prompt_tokens, "short": args.short, "long": args.long, "variants": {}}
-    import transformers
-
-    results["transformers"] = transformers.__version__
     reference = None
     for variant in args.variants.split(","):
         if variant not in VARIANTS:
