@@ -434,6 +434,9 @@ def test_a_static_cache_distillation_gives_the_dynamic_caches_answers_in_one_sha
     assert {n for (n, _), _ in calls} == {1, 2} and {c for _, c in calls} == {None}
     assert run("static") == dynamic
     assert calls == [((2, 64), "static")] * batches
+    calls.clear()  # fewer prompts than a batch: one batch of them all
+    training.distill.distill(model, tokenizer, convs[:1], 4, 64, 6, progress=False, cache="static")
+    assert calls == [((1, 64), "static")]
     assert any(m["content"] for msgs in dynamic.values() for m in msgs if m["role"] == "assistant")
     journals = {}
     for cache in ("dynamic", "static"):

@@ -111,8 +111,8 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
     ``cache`` "dynamic": each batch as long as its longest prompt, with transformers' default cache, which
     grows by a concatenation of the whole cache every step. "static": a static cache written in place, and every
     batch one shape [batch, prompt_tokens] (prompts left-padded to ``prompt_tokens``, a last short batch filled
-    up with copies of its last prompt, whose answers are dropped), so that on a GPU generate compiles its
-    decoding step once for the whole distillation. Greedy answers are the same either way up to rounding."""
+    up with copies of its last prompt, whose answers are dropped; fewer prompts than ``batch``: one batch of
+    them all), so that on a GPU generate compiles its decoding step once for the whole distillation. Greedy answers are the same either way up to rounding."""
     device = next(model.parameters()).device
     encoded = []
     for msgs in prompts:
@@ -142,7 +142,8 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
         if temperature > 0:
             torch.manual_seed((seed * 1_000_003 + lo) % 2**63)
         chunk = order[lo: lo + batch]
-        rows, t = (batch, prompt_tokens) if static else (len(chunk), max(len(encoded[i]) for i in chunk))
+        rows, t = (min(batch, len(order)), prompt_tokens) if static else \
+            (len(chunk), max(len(encoded[i]) for i in chunk))
         ids = torch.full((rows, t), pad, dtype=torch.long)
         attn = torch.zeros((rows, t), dtype=torch.long)
         for row, i in enumerate(chunk):
