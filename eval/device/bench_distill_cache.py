@@ -74,7 +74,8 @@ def main() -> int:
     rows = args.rows or recipe.distill_batch
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(smollm2_config(), dtype=torch.bfloat16).to(device).eval()
+    model = AutoModelForCausalLM.from_config(smollm2_config(), dtype=torch.bfloat16, trust_remote_code=False)
+    model = model.to(device).eval()
     ids, attn = prompts(rows, recipe.distill_prompt_tokens, model.config.vocab_size, device)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
