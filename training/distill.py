@@ -112,7 +112,8 @@ def _answer(model, tokenizer, prompts: list[list[dict]], batch: int, prompt_toke
     grows by a concatenation of the whole cache every step. "static": a static cache written in place, and every
     batch one shape [batch, prompt_tokens] (prompts left-padded to ``prompt_tokens``, a last short batch filled
     up with copies of its last prompt, whose answers are dropped; fewer prompts than ``batch``: one batch of
-    them all), so that on a GPU generate compiles its decoding step once for the whole distillation. Greedy answers are the same either way up to rounding."""
+    them all), so that on a GPU generate compiles its decoding step once for the whole distillation. Greedy
+    answers are the same either way up to rounding."""
     device = next(model.parameters()).device
     encoded = []
     for msgs in prompts:
