@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +86,12 @@ def run_ranks(command: list[str], tp_size: int, grace_s: float = 10.0) -> int:
     """Run ``command`` (this program again) as the ``tp_size`` processes of one launch on this machine, as
     torchrun would start them (RANK, LOCAL_RANK, WORLD_SIZE and a free rendezvous port in the environment),
     each with this process's stdout and stderr, and wait for all of them. Returns the launch's exit status:
-    rank 0's, else the first other rank's that failed. When one rank fails the others get ``grace_s``
+    rank 0's, else (rank 0 succeeded or was stopped) the first failed rank's; a rank killed by signal s
+    counts as 128 + s, as a shell reports it. When one rank fails the others get ``grace_s``
     seconds to end (a rank waiting in a collective for the failed one never would) before they are stopped;
-    Ctrl-C is passed on to every rank."""
+    Ctrl-C is passed on to every rank. Every rank that failed gets one line on stderr (``describe_rank_end``),
+    first the one that failed first: a rank that lost its peer only reports a closed connection, and which
+    rank ended how (an exit status, or a signal such as SIGSEGV, which leaves no traceback) is the cause."""
     import signal
     import socket
     import subprocess
@@ -100,14 +104,20 @@ def run_ranks(command: list[str], tp_size: int, grace_s: float = 10.0) -> int:
            "LOCAL_WORLD_SIZE": str(tp_size)}
     ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(tp_size)]
     failed_at = None
+    failed_first: list[int] = []  # the ranks in the order their failure was seen
+    stopped: set[int] = set()  # the ranks killed here after another one failed
     try:
-        while any(p.poll() is None for p in ranks):
-            if failed_at is None and any(p.returncode not in (None, 0) for p in ranks):
+        while None in [p.poll() for p in ranks]:  # every rank polled (any() would stop at the first alive)
+            for r, p in enumerate(ranks):
+                if p.returncode not in (None, 0) and r not in failed_first:
+                    failed_first.append(r)
+            if failed_at is None and failed_first:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
-                for p in ranks:
+                for r, p in enumerate(ranks):
                     if p.poll() is None:
                         p.kill()
+                        stopped.add(r)
             time.sleep(0.05)
     except KeyboardInterrupt:
         for p in ranks:
@@ -120,7 +130,32 @@ def run_ranks(command: list[str], tp_size: int, grace_s: float = 10.0) -> int:
                 p.kill()
         return 130
     codes = [p.wait() for p in ranks]
-    return codes[0] or next((c for c in codes if c), 0)
+    failed_first += [r for r, c in enumerate(codes) if c and r not in failed_first]
+    for r in failed_first:
+        print(describe_rank_end(r, tp_size, codes[r], stopped=r in stopped), file=sys.stderr)
+    if not failed_first:
+        return 0
+    first = 0 if codes[0] and 0 not in stopped else failed_first[0]
+    return codes[first] if codes[first] > 0 else 128 - codes[first]  # a signal as a shell reports it
+
+
+def describe_rank_end(rank: int, tp_size: int, code: int, stopped: bool = False) -> str:
+    """One line on how rank ``rank`` of a launch ended: ``code`` is its process's exit status as subprocess
+    reports it (negative: killed by that signal); ``stopped``: killed by ``run_ranks`` after another rank
+    failed."""
+    import signal
+
+    if stopped:
+        how = "was stopped after another rank failed"
+    elif code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        how = f"was killed by {name}"
+    else:
+        how = f"ended with exit status {code}"
+    return f"fsd-eagle: rank {rank} of {tp_size} {how}"
 
 
 def start(tp_size: int, device: str | None = None) -> TensorParallel:

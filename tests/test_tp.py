@@ -424,6 +424,49 @@ def test_the_cli_starts_its_ranks_itself_without_torchrun(folders):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     one = subprocess.run(base, capture_output=True, text=True, env=env, timeout=300)
     two = subprocess.run(base + ["--tp-size", "2"], capture_output=True, text=True, env=env, timeout=300)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    # All of stderr: when a rank fails the others' tracebacks (a closed connection) come last, and the
+    # failed rank's cause before them.
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-4000:], two.stderr)
     lines = two.stdout.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["text"] == json.loads(one.stdout)["text"]
+
+
+def rank_program(body: str) -> list[str]:
+    """A Python command that runs ``body`` with ``rank`` (its RANK) defined, as run_ranks' ranks."""
+    return [sys.executable, "-c", f"import os, signal, sys, time\nrank = int(os.environ['RANK'])\n{body}"]
+
+
+def test_the_launcher_names_the_rank_that_failed_and_its_exit_status(capfd):
+    """A rank that fails is named on stderr with its exit status (one line), and the launch's exit status is
+    that rank's when rank 0 succeeded; a launch whose ranks all succeed says nothing and exits 0."""
+    from fsd_eagle.parallel import run_ranks
+
+    assert run_ranks(rank_program("sys.exit(3 if rank == 1 else 0)"), 2, grace_s=5.0) == 3
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["fsd-eagle: rank 1 of 2 ended with exit status 3"]
+    assert run_ranks(rank_program("print(rank)"), 2) == 0
+    out = capfd.readouterr()
+    assert sorted(out.out.split()) == ["0", "1"] and out.err == ""
+
+
+def test_the_launcher_names_a_rank_killed_by_a_signal_and_stops_the_rank_waiting_for_it(capfd):
+    """A rank killed by a signal (a crash leaves no traceback) is named with the signal; a rank that would
+    wait forever for it (as in a collective) is stopped after the grace period and named as stopped, after
+    the rank that failed; the launch exits as a shell reports the signal (128 + 11)."""
+    from fsd_eagle.parallel import run_ranks
+
+    body = "if rank == 1:\n    os.kill(os.getpid(), signal.SIGSEGV)\ntime.sleep(600)"
+    start = time.monotonic()
+    assert run_ranks(rank_program(body), 2, grace_s=1.0) == 128 + 11
+    assert time.monotonic() - start < 60
+    assert capfd.readouterr().err.splitlines() == ["fsd-eagle: rank 1 of 2 was killed by SIGSEGV",
+                                                   "fsd-eagle: rank 0 of 2 was stopped after another rank failed"]
+
+
+def test_the_launcher_reports_rank_0s_own_failure_first_when_both_fail(capfd):
+    """When rank 0 fails by itself too, the launch has rank 0's exit status, and every failed rank is named."""
+    from fsd_eagle.parallel import run_ranks
+
+    assert run_ranks(rank_program("time.sleep(0.5 * (1 - rank))\nsys.exit(5 + rank)"), 2, grace_s=5.0) == 5
+    assert capfd.readouterr().err.splitlines() == ["fsd-eagle: rank 1 of 2 ended with exit status 6",
+                                                   "fsd-eagle: rank 0 of 2 ended with exit status 5"]
