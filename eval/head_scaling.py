@@ -3,7 +3,7 @@ per trained head, with the stop rule's verdict per axis.
 
     python -m eval head-scaling add --name data-2x --axis data --loss-tokens 28.0e6 --steps 5000 \\
         --gpu-seconds 1500 --mt-bench tau_mt.json [--spec-bench tau_sb.json] --recipe RECIPE.json \\
-        --device "NVIDIA H200" --code abc1234 --command "eval/device/head.sh ..."
+        --device "NVIDIA H200" --code abc1234 --command "eval/device/head.sh ..." [--mix own]
     python -m eval head-scaling spec-bench --name data-2x tau_sb.json   # measured apart from the training run
     python -m eval head-scaling attempt --axis steps --gpu-seconds 780 --why "the host was taken back"  # no point
     python -m eval head-scaling show
@@ -15,7 +15,10 @@ against training steps, capacity points beside their baselines).
 A point is one head: the axis it belongs to (``data``: loss tokens at a fixed number of steps, ``steps``: training
 steps at fixed data, ``capacity``: a larger head at equal training compute, named against its ``--baseline``
 point), its size figures and its tau on MT-bench (and Spec-Bench, by category), as ``python -m eval tau``
-writes them. ``add`` writes or replaces the point of that name in the study's file
+writes them. A point's ``mix`` says what its answers were (``MIXES``: the recipe's data, or the target's own
+answers only); an axis compares points of one mix, with a verdict for each, since a head trained on fewer tokens
+of the target's own answers can beat one trained on more tokens that add other text (a baseline must be of its
+point's mix). ``add`` writes or replaces the point of that name in the study's file
 (``eval/results/head_scaling.json``, rewritten whole and atomically) and recomputes the verdicts.
 
 The stop rule: along an axis, points are ordered by the axis' quantity; each step between neighbours is
@@ -44,11 +47,18 @@ DEFAULT_FIGURE = ROOT / "docs" / "figures" / "head_scaling.svg"
 STOP_GAIN = 0.02
 AXIS_GPU_LIMIT_S = 3 * 3600
 AXES = {"data": "loss_tokens", "steps": "steps", "capacity": None}  # axis -> the quantity it orders points by
+# What a head was trained on (a point's "mix"): an axis compares points of one mix only, since tau depends on
+# what the answers are, not only on how many tokens they hold.
+MIXES = {"recipe": "the recipe's data: the target's own answers plus the conversations' original answers",
+         "own": "the target's own answers only (python -m training run --answers distilled)"}
+DEFAULT_MIX = "recipe"  # a point without a mix (written before mixes were named) was trained on the recipe's data
 WHAT = ("The draft head's scaling study for the default model: MT-bench tau (80 first turns, greedy) and Spec-Bench "
         "tau per category of heads trained with one recipe each, against loss tokens at a fixed number of steps (data), "
-        "training steps at fixed data (steps) and head capacity at equal training compute (capacity). Stop rule: an "
-        "axis stops when its last doubling adds less than 2 % tau, or when it has spent 3 hours of GPU time in all "
-        "(its points and its attempts, runs that made no point).")
+        "training steps at fixed data (steps) and head capacity at equal training compute (capacity); a point's mix "
+        "says what its answers were (recipe: the target's answers plus the original ones; own: the target's answers "
+        "only), and an axis compares points of one mix. Stop rule: an axis stops when its last doubling adds less "
+        "than 2 % tau, or when it has spent 3 hours of GPU time in all (its points of every mix and its attempts, "
+        "runs that made no point).")
 
 
 def per_doubling(x_a: float, tau_a: float, x_b: float, tau_b: float) -> float:
@@ -93,10 +103,15 @@ def capacity_verdicts(points: list[dict]) -> list[dict]:
     return out
 
 
-def axis_points(points: list[dict], axis: str) -> list[dict]:
-    """The points along ``axis``: its own and the baselines they name (a data point's baseline is the point of
-    the same steps on the recipe's data, which a steps run measured; a steps point's, that of the same data)."""
-    mine = [p for p in points if p["axis"] == axis]
+def mix_of(point: dict) -> str:
+    """What the point's head was trained on (a key of MIXES)."""
+    return point.get("mix", DEFAULT_MIX)
+
+
+def axis_points(points: list[dict], axis: str, mix: str = DEFAULT_MIX) -> list[dict]:
+    """The points of one mix along ``axis``: its own and the baselines they name (a data point's baseline is
+    the point of the same steps and mix that a steps run measured; a steps point's, that of the same data)."""
+    mine = [p for p in points if p["axis"] == axis and mix_of(p) == mix]
     by_name = {p["name"]: p for p in points}
     bases = {p.get("baseline") for p in mine} - {None} - {p["name"] for p in mine}
     return mine + [by_name[name] for name in sorted(bases) if name in by_name]
@@ -110,19 +125,28 @@ def gpu_seconds_by_axis(points: list[dict], attempts: list[dict]) -> dict[str, f
     return {axis: round(s, 1) for axis, s in spent.items()}
 
 
+def verdict_key(axis: str, mix: str) -> str:
+    """Where an axis' verdict for one mix is kept in the study's verdicts: the axis' name for the recipe's
+    data, ``axis:mix`` for another mix."""
+    return axis if mix == DEFAULT_MIX else f"{axis}:{mix}"
+
+
 def verdicts(points: list[dict], attempts: list[dict] = ()) -> dict:
-    """The stop rule's verdict per axis: the gain rule's, or "stop" once the axis has spent its GPU time."""
+    """The stop rule's verdict per axis and mix (the recipe's data always, another mix once the axis has a
+    point of it): the gain rule's, or "stop" once the axis has spent its GPU time, over all its mixes."""
     spent = gpu_seconds_by_axis(points, list(attempts))
     result = {}
     for axis, key in AXES.items():
         if not key:
             continue
-        v = {**axis_verdict(axis_points(points, axis), key), "gpu_seconds": spent[axis]}
-        if spent[axis] >= AXIS_GPU_LIMIT_S and v["verdict"] != "stop":
-            v["verdict"] = "stop"
-            v["why"] = (f"{spent[axis] / 3600:.1f} h of GPU time spent, the most an axis gets "
-                        f"({AXIS_GPU_LIMIT_S / 3600:g} h)")
-        result[axis] = v
+        mixes = [DEFAULT_MIX] + sorted({mix_of(p) for p in points if p["axis"] == axis} - {DEFAULT_MIX})
+        for mix in mixes:
+            v = {**axis_verdict(axis_points(points, axis, mix), key), "mix": mix, "gpu_seconds": spent[axis]}
+            if spent[axis] >= AXIS_GPU_LIMIT_S and v["verdict"] != "stop":
+                v["verdict"] = "stop"
+                v["why"] = (f"{spent[axis] / 3600:.1f} h of GPU time spent, the most an axis gets "
+                            f"({AXIS_GPU_LIMIT_S / 3600:g} h)")
+            result[verdict_key(axis, mix)] = v
     result["capacity"] = capacity_verdicts(points)
     return result
 
@@ -199,13 +223,16 @@ def positive(name: str, value: float | None, integer: bool = False) -> None:
 
 
 def check_baseline(args: argparse.Namespace, by_name: dict[str, dict]) -> None:
-    """A named baseline is in the study and, for a data or steps point, holds the quantity fixed along that
-    axis (a data point's baseline has its steps, a steps point's its loss tokens): InputError otherwise."""
+    """A named baseline is in the study, was trained on the same mix and, for a data or steps point, holds the
+    quantity fixed along that axis (a data point's baseline has its steps, a steps point's its loss tokens):
+    InputError otherwise."""
     if not args.baseline:
         return
     base = by_name.get(args.baseline)
     if base is None or args.baseline == args.name:
         raise InputError(f"--baseline {args.baseline!r} is not another point of the study")
+    if mix_of(base) != args.mix:
+        raise InputError(f"a point's baseline must be of its mix ({args.mix}); {base['name']} is of {mix_of(base)}")
     fixed = {"data": "steps", "steps": "loss_tokens"}.get(args.axis)
     if fixed and base.get(fixed) != getattr(args, fixed):
         raise InputError(f"a {args.axis} point's baseline must have its {fixed.replace('_', ' ')} "
@@ -224,8 +251,9 @@ def add(args: argparse.Namespace) -> dict:
     study = load_study(args.file)
     check_baseline(args, {p["name"]: p for p in study["points"]})
     mt = read_tau(args.mt_bench)
-    point = {"name": args.name, "axis": args.axis, "loss_tokens": args.loss_tokens, "steps": args.steps,
-             "gpu_seconds": args.gpu_seconds, "parameters": args.parameters, "baseline": args.baseline,
+    point = {"name": args.name, "axis": args.axis, "mix": args.mix, "loss_tokens": args.loss_tokens,
+             "steps": args.steps, "gpu_seconds": args.gpu_seconds, "parameters": args.parameters,
+             "baseline": args.baseline,
              "mt_bench_tau": mt["all"], "mt_bench_by_category": {k: v for k, v in mt.items() if k != "all"},
              "recipe": args.recipe, "device": args.device, "date": args.date, "code": args.code,
              "command": args.command, "note": args.note}
@@ -267,10 +295,15 @@ def plot(study: dict) -> str:
     taus = [p["mt_bench_tau"] for p in points]
     shared = (min(taus), max(taus)) if taus else None  # one tau scale on both panels: gains compare by eye
     panels = []
+    colors = {"recipe": COLORS["eagle2"], "own": COLORS["js"]}
     for axis, key, title in (("data", "loss_tokens", "loss tokens"), ("steps", "steps", "training steps")):
-        mine = sorted((p for p in axis_points(points, axis) if p.get(key)), key=lambda p: p[key])
-        series = [Series(f"{axis} axis", COLORS["eagle2"], [(p[key], p["mt_bench_tau"]) for p in mine],
-                         [p["name"] for p in mine])] if mine else []
+        series = []
+        for mix in MIXES:
+            mine = sorted((p for p in axis_points(points, axis, mix) if p.get(key)), key=lambda p: p[key])
+            label = f"{axis} axis" if mix == DEFAULT_MIX else f"{axis} axis, {mix} answers"
+            if mine:
+                series.append(Series(label, colors[mix], [(p[key], p["mt_bench_tau"]) for p in mine],
+                                     [p["name"] for p in mine]))
         for p in points:
             base = by_name.get(p.get("baseline")) if p["axis"] == "capacity" else None
             if base is not None and base["axis"] == axis and base.get(key):
@@ -300,21 +333,24 @@ def write_figure(study: dict, path: Path) -> bool:
 
 
 def show(study: dict) -> str:
-    lines = [f"{'point':<22} {'axis':<9} {'loss tokens':>12} {'steps':>7} {'GPU s':>7} {'MT-bench tau':>13} "
-             f"{'Spec-Bench tau':>15}"]
+    lines = [f"{'point':<22} {'axis':<9} {'mix':<7} {'loss tokens':>12} {'steps':>7} {'GPU s':>7} "
+             f"{'MT-bench tau':>13} {'Spec-Bench tau':>15}"]
 
     def cell(value, width: int) -> str:
         return f"{value:>{width},.0f}" if value is not None else f"{'-':>{width}}"
 
     for p in sorted(study["points"], key=lambda p: (p["axis"], p.get("loss_tokens") or 0, p.get("steps") or 0)):
-        lines.append(f"{p['name']:<22} {p['axis']:<9} {cell(p.get('loss_tokens'), 12)} {cell(p.get('steps'), 7)} "
+        lines.append(f"{p['name']:<22} {p['axis']:<9} {mix_of(p):<7} {cell(p.get('loss_tokens'), 12)} "
+                     f"{cell(p.get('steps'), 7)} "
                      f"{cell(p.get('gpu_seconds'), 7)} {p['mt_bench_tau']:>13.3f} "
                      + (f"{p['spec_bench_tau']:>15.3f}" if "spec_bench_tau" in p else f"{'-':>15}"))
-    for axis, v in (study.get("verdicts") or {}).items():
-        if axis == "capacity":
+    for key, v in (study.get("verdicts") or {}).items():
+        if key == "capacity":
             lines += [f"capacity {c['name']}: {c['verdict']}" for c in v]
         else:
             spent = f"; {v['gpu_seconds'] / 3600:.2f} h of GPU time" if "gpu_seconds" in v else ""
+            mix = v.get("mix", DEFAULT_MIX)
+            axis = key.split(":")[0] + (f" ({mix} answers)" if mix != DEFAULT_MIX else "")
             lines.append(f"{axis}: {v['verdict']}" + (f" ({v['why']}{spent})" if "why" in v else ""))
     for run in study.get("attempts") or []:
         lines.append(f"attempt ({run['axis']}, {run['gpu_seconds']:,.0f} GPU s, no point): {run['why']}")
@@ -333,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", type=int, help="optimizer steps")
     a.add_argument("--gpu-seconds", type=float, help="GPU seconds of self-distillation and training")
     a.add_argument("--parameters", type=int, help="the head's trainable parameters")
+    a.add_argument("--mix", choices=list(MIXES), default=DEFAULT_MIX,
+                   help="what the head was trained on: " + "; ".join(f"{k}: {v}" for k, v in MIXES.items()))
     a.add_argument("--baseline", help="capacity: the point of equal training compute it is compared with; data "
                    "(steps): the point of the same steps (data) it extends, which then joins this axis")
     a.add_argument("--mt-bench", type=Path, required=True, help="python -m eval tau's result on MT-bench")

@@ -224,3 +224,45 @@ def test_an_axis_stops_once_it_has_spent_its_gpu_time_attempts_included(tmp_path
         assert main(["attempt", "--axis", "steps", *bad, "--file", str(study)]) == 2
         assert capsys.readouterr().err.count("\n") == 1
     assert len(json.loads(study.read_text())["attempts"]) == 1
+
+
+def test_points_of_another_mix_get_their_own_verdict_and_baselines_stay_within_a_mix(tmp_path, capsys):
+    """Heads trained on the target's own answers only (mix "own") are compared with each other, not with the
+    recipe's data: the data axis gets a verdict per mix, both drawn; the axis' GPU time counts every mix; a
+    baseline of another mix is refused in one line and nothing is written."""
+    study, figure = tmp_path / "head_scaling.json", tmp_path / "head_scaling.svg"
+    files = ["--file", str(study), "--figure", str(figure)]
+    assert main(["add", "--name", "s2k", "--axis", "steps", "--steps", "2000", "--loss-tokens", "14e6",
+                 "--gpu-seconds", "800", "--mt-bench", str(_tau(tmp_path / "s.json", 3.2)), *files]) == 0
+    for name, tokens, tau in (("own-1x", "4e6", 3.3), ("own-2x", "8e6", 3.5)):
+        assert main(["add", "--name", name, "--axis", "data", "--mix", "own", "--steps", "2000", "--loss-tokens",
+                     tokens, "--gpu-seconds", "600", "--mt-bench", str(_tau(tmp_path / f"{name}.json", tau)),
+                     *files]) == 0
+    capsys.readouterr()
+    before = study.read_text()
+    assert main(["add", "--name", "own-4x", "--axis", "data", "--mix", "own", "--steps", "2000", "--loss-tokens",
+                 "16e6", "--baseline", "s2k", "--mt-bench", str(_tau(tmp_path / "x.json", 3.6)), *files]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "must be of its mix (own); s2k is of recipe" in err[0], err
+    assert study.read_text() == before
+    data = json.loads(study.read_text())
+    assert [p["mix"] for p in data["points"]] == ["recipe", "own", "own"]
+    own = data["verdicts"]["data:own"]
+    assert [(s["from"], s["to"]) for s in own["steps"]] == [("own-1x", "own-2x")] and own["verdict"] == "continue"
+    assert own["gpu_seconds"] == 1200 and own["mix"] == "own"
+    assert data["verdicts"]["data"]["verdict"] == "needs two points"  # s2k is not on the data axis of its mix
+    assert [s["to"] for s in data["verdicts"]["steps"]["steps"]] == []
+    assert main(["show", "--file", str(study)]) == 0
+    out = capsys.readouterr().out
+    assert "data (own answers): continue" in out and "own-2x" in out
+    drawn = figure.read_text()
+    assert "data axis, own answers" in drawn and "own-1x" in drawn
+
+
+def test_a_point_written_before_mixes_were_named_counts_as_the_recipes_data():
+    pts = [{"name": "a", "axis": "data", "loss_tokens": 14e6, "mt_bench_tau": 3.0},
+           {"name": "b", "axis": "data", "mix": "recipe", "loss_tokens": 28e6, "mt_bench_tau": 3.3},
+           {"name": "c", "axis": "data", "mix": "own", "loss_tokens": 56e6, "mt_bench_tau": 3.0}]
+    got = verdicts(pts)
+    assert [(s["from"], s["to"]) for s in got["data"]["steps"]] == [("a", "b")]
+    assert got["data:own"]["verdict"] == "needs two points"
