@@ -286,6 +286,24 @@ def test_answers_choose_the_training_set_and_max_steps_caps_training(llama, tmp_
     assert counts["both"] == counts["original"] + counts["distilled"] and counts["original"] > counts["distilled"]
 
 
+def test_max_steps_beyond_the_recipes_epochs_is_said_at_the_start_with_the_epochs_that_reach_it(llama, tmp_path,
+                                                                                                 capsys):
+    """--max-steps caps a run; it adds no epochs. Asked for more steps than the recipe's epochs make, the run
+    says so on stderr before training (with the --epochs that would reach them) and ends with its epochs;
+    asked for fewer, it says nothing."""
+    import math
+
+    recipe = llama.write_recipe("recipe_short.json", epochs=1, max_steps=1000)
+    assert main(llama.argv(tmp_path / "short", recipe=recipe)) == 0
+    per_epoch = _progress(tmp_path / "short")["step"]
+    assert 0 < per_epoch < 1000 and _log(tmp_path / "short")[-1]["epoch"] == 1
+    notes = [x for x in capsys.readouterr().err.splitlines() if "before max_steps" in x]
+    assert notes == [f"note: the run ends after its 1 epoch(s) at step {per_epoch:,} ({per_epoch:,} batches an epoch), "
+                     f"before max_steps 1,000: give --epochs {math.ceil(1000 / per_epoch)} to reach them"]
+    assert main(llama.argv(tmp_path / "capped", "--max-steps", 1, recipe=recipe)) == 0
+    assert "before max_steps" not in capsys.readouterr().err and _progress(tmp_path / "capped")["step"] == 1
+
+
 def test_cudnn_attention_off_keeps_sdpa_off_cudnn_in_every_step_and_resumes_either_way(llama, tmp_path,
                                                                                           monkeypatch):
     """--cudnn-attention off (recipe "cudnn_attention": false): every training step runs with SDPA's cuDNN

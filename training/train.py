@@ -321,6 +321,10 @@ def _train(target: Target, head: EagleHead, train_set: list[Example], recipe: Re
                          "processes or a smaller tokens_per_batch")
     cap = batches_per_epoch * recipe.epochs  # the recipe's length; a time budget may shorten it
     if recipe.max_steps:
+        if cap < recipe.max_steps and ranks.is_main:  # max_steps caps; it does not add epochs
+            print(f"note: the run ends after its {recipe.epochs} epoch(s) at step {cap:,} ({batches_per_epoch:,} "
+                  f"batches an epoch), before max_steps {recipe.max_steps:,}: give --epochs "
+                  f"{math.ceil(recipe.max_steps / batches_per_epoch)} to reach them", file=sys.stderr, flush=True)
         cap = min(cap, recipe.max_steps)
     total = cap
     step, first_epoch, log, schedule = 0, 0, [], {}
