@@ -54,6 +54,8 @@
 #   WARM        with SPEED: compile the speed run's configurations at the start, WARM processes at a time, beside
 #               the training (`eval speed --warm WARM --warm-only`, with the target's shipped head: the same
 #               shapes as a head that continues it), so that the speed run at the end finds them compiled
+#   RES         the job's folder (default /root/res): a job that ended with status 0 is not started again
+#               there, so a second job on the same host (other ARMS) needs another folder, e.g. RES=/root/res2
 set -euo pipefail
 RES=${RES:-/root/res}
 WAIT=${WAIT:-540}
