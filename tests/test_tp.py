@@ -463,10 +463,14 @@ def test_the_launcher_names_a_rank_killed_by_a_signal_and_stops_the_rank_waiting
                                                    "fsd-eagle: rank 0 of 2 was stopped after another rank failed"]
 
 
-def test_the_launcher_reports_rank_0s_own_failure_first_when_both_fail(capfd):
-    """When rank 0 fails by itself too, the launch has rank 0's exit status, and every failed rank is named."""
+def test_the_launcher_reports_rank_0s_own_failure_first_when_both_fail(capfd, tmp_path):
+    """When rank 0 fails by itself too, the launch has rank 0's exit status, and every failed rank is named,
+    in the order they failed (rank 0 fails after rank 1 has ended: it waits for rank 1's file)."""
     from fsd_eagle.parallel import run_ranks
 
-    assert run_ranks(rank_program("time.sleep(0.5 * (1 - rank))\nsys.exit(5 + rank)"), 2, grace_s=5.0) == 5
+    flag = tmp_path / "rank1_ending"
+    body = (f"if rank == 1:\n    open({str(flag)!r}, 'w').close()\n    sys.exit(6)\n"
+            f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.01)\ntime.sleep(0.5)\nsys.exit(5)")
+    assert run_ranks(rank_program(body), 2, grace_s=5.0) == 5
     assert capfd.readouterr().err.splitlines() == ["fsd-eagle: rank 1 of 2 ended with exit status 6",
                                                    "fsd-eagle: rank 0 of 2 ended with exit status 5"]
