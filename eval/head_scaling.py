@@ -295,14 +295,14 @@ def plot(study: dict) -> str:
     taus = [p["mt_bench_tau"] for p in points]
     shared = (min(taus), max(taus)) if taus else None  # one tau scale on both panels: gains compare by eye
     panels = []
-    colors = {"recipe": COLORS["eagle2"], "own": COLORS["js"]}
+    colors = {"recipe": COLORS["eagle2"], "own": COLORS["js"]}  # a mix added later: grey until it has a colour
     for axis, key, title in (("data", "loss_tokens", "loss tokens"), ("steps", "steps", "training steps")):
         series = []
         for mix in MIXES:
             mine = sorted((p for p in axis_points(points, axis, mix) if p.get(key)), key=lambda p: p[key])
             label = f"{axis} axis" if mix == DEFAULT_MIX else f"{axis} axis, {mix} answers"
             if mine:
-                series.append(Series(label, colors[mix], [(p[key], p["mt_bench_tau"]) for p in mine],
+                series.append(Series(label, colors.get(mix, COLORS["ar"]), [(p[key], p["mt_bench_tau"]) for p in mine],
                                      [p["name"] for p in mine]))
         for p in points:
             base = by_name.get(p.get("baseline")) if p["axis"] == "capacity" else None
@@ -341,8 +341,7 @@ def show(study: dict) -> str:
 
     for p in sorted(study["points"], key=lambda p: (p["axis"], p.get("loss_tokens") or 0, p.get("steps") or 0)):
         lines.append(f"{p['name']:<22} {p['axis']:<9} {mix_of(p):<7} {cell(p.get('loss_tokens'), 12)} "
-                     f"{cell(p.get('steps'), 7)} "
-                     f"{cell(p.get('gpu_seconds'), 7)} {p['mt_bench_tau']:>13.3f} "
+                     f"{cell(p.get('steps'), 7)} {cell(p.get('gpu_seconds'), 7)} {p['mt_bench_tau']:>13.3f} "
                      + (f"{p['spec_bench_tau']:>15.3f}" if "spec_bench_tau" in p else f"{'-':>15}"))
     for key, v in (study.get("verdicts") or {}).items():
         if key == "capacity":
