@@ -96,3 +96,32 @@ def test_result_notes_speak_of_the_product(path):
 def test_result_files_are_named_by_what_they_measure():
     names = [p.name for p in _tracked("eval/results/*", "eval/results/**/*")]
     assert names and not [n for n in names if re.search(r"session|_run\d|run\d+\b", n, re.I)]
+
+
+def _table_rows(text: str) -> list[tuple[int, int, int]]:
+    """(line, cells, header cells) of each row of each pipe table in ``text``. As GitHub renders tables, every
+    pipe not escaped as ``\\|`` ends a cell, inside backticks too."""
+    rows, header = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = len(re.split(r"(?<!\\)\|", line.strip())) - 2
+        header = cells if header is None else header
+        rows.append((number, cells, header))
+    return rows
+
+
+def test_table_rows_count_cells_as_rendered():
+    assert _table_rows("| a | b |\n| --- | --- |\n| `x \\| y` | z |\n\n| c |\n| --- |\n") == \
+        [(1, 2, 2), (2, 2, 2), (3, 2, 2), (5, 1, 1), (6, 1, 1)]
+    assert _table_rows("| a | b |\n| --- | --- |\n| `|p - q|` | z |\n")[2] == (3, 4, 2)
+
+
+@pytest.mark.parametrize("path", _prose_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_table_row_has_its_header_cells(path):
+    """A row with more or fewer cells than its header (a pipe inside code not escaped, a row pasted into the
+    wrong table) renders as a broken table."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {cells} cells, the header has {header}"
+           for line, cells, header in _table_rows(path.read_text(encoding="utf-8")) if cells != header]
+    assert not bad, "\n".join(bad)
