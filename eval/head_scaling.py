@@ -6,6 +6,8 @@ per trained head, with the stop rule's verdict per axis.
         --device "NVIDIA H200" --code abc1234 --command "eval/device/head.sh ..." [--mix own]
     python -m eval head-scaling spec-bench --name data-2x tau_sb.json   # measured apart from the training run
     python -m eval head-scaling attempt --axis steps --gpu-seconds 780 --why "the host was taken back"  # no point
+    python -m eval head-scaling candidate --name warm-2k --mt-bench tau_mt.json --shipped-mt-bench tau_shipped.json \\
+        [--sampled tau_mt_t07.json --shipped-sampled tau_shipped_t07.json] [--spec-bench ... --shipped-spec-bench ...]
     python -m eval head-scaling show
     python -m eval head-scaling draw    # the figure again, e.g. after a change to how it is drawn
 
@@ -27,6 +29,13 @@ per doubling is under ``STOP_GAIN`` (2 %), that axis stops. An axis also stops o
 ``AXIS_GPU_LIMIT_S`` (3 hours) of GPU time in all: its own points' ``gpu_seconds`` plus the runs of that axis
 that made no point (``attempt``: a host taken back, a run stopped). A capacity point helps when its tau beats
 its baseline's by at least ``STOP_GAIN``.
+
+A candidate is a head trained to replace the shipped one rather than to place a point (a warm start from the
+shipped head, say), set against the shipped head's tau measured on the same device with the same settings
+(``candidate`` refuses a pair measured on two devices or at two temperatures). It beats the shipped head's tau
+when its greedy MT-bench tau is higher by at least ``STOP_GAIN`` and no other pair it gives (sampled MT-bench,
+Spec-Bench) is lower by that much; only then is the speed run against the shipped head worth its GPU time, and
+the head ships if that run agrees.
 """
 
 from __future__ import annotations
@@ -284,6 +293,59 @@ def add_attempt(args: argparse.Namespace) -> dict:
     return with_verdicts(study)
 
 
+# A candidate's tau pairs: the option naming its result, the shipped head's, and the pair's name in the study.
+CANDIDATE_PAIRS = (("mt_bench", "shipped_mt_bench", "MT-bench"), ("sampled", "shipped_sampled", "MT-bench sampled"),
+                   ("spec_bench", "shipped_spec_bench", "Spec-Bench"))
+
+
+def tau_pair(mine: Path, shipped: Path, what: str) -> dict:
+    """A candidate's tau and the shipped head's on one benchmark, with the relative gain, from two ``python -m
+    eval tau`` results measured alike (the same device, temperature and tree, where their records say):
+    InputError otherwise."""
+    a, b = read_result(mine), read_result(shipped)
+    alike = {"device": lambda r: (r.get("run") or {}).get("device"), "temperature": lambda r: r.get("temperature"),
+             "tree": lambda r: r.get("tree")}
+    for key, of in alike.items():
+        if of(a) != of(b):
+            raise InputError(f"{what}: the candidate's tau and the shipped head's were measured with another {key} "
+                             f"({of(a)} against {of(b)}); compare heads measured alike")
+    tau, shipped_tau = a["tau"]["all"], b["tau"]["all"]
+    return {"tau": tau, "shipped_tau": shipped_tau, "gain": round(tau / shipped_tau - 1, 4),
+            "device": alike["device"](a), "temperature": a.get("temperature")}
+
+
+def candidate_verdict(pairs: dict[str, dict]) -> str:
+    """Whether a candidate beats the shipped head's tau (``STOP_GAIN`` more on greedy MT-bench, no other pair
+    ``STOP_GAIN`` lower), and so whether the speed run against it comes next."""
+    main_gain = pairs["MT-bench"]["gain"]
+    worse = [f"{what} {pair['gain']:+.1%}" for what, pair in pairs.items() if pair["gain"] <= -STOP_GAIN]
+    if main_gain >= STOP_GAIN and not worse:
+        return (f"beats the shipped head's tau (MT-bench {main_gain:+.1%}): the speed run against it next "
+                "(python -m eval speed --compare-head), and it ships if that run agrees")
+    why = [f"MT-bench {main_gain:+.1%}, under {STOP_GAIN:.0%}"] if main_gain < STOP_GAIN else []
+    return "does not beat the shipped head (" + "; ".join(why + worse) + ")"
+
+
+def add_candidate(args: argparse.Namespace) -> dict:
+    """The study with ``args``' candidate written (replacing one of the same name)."""
+    positive("gpu-seconds", args.gpu_seconds)
+    pairs = {}
+    for mine, shipped, what in CANDIDATE_PAIRS:
+        a, b = getattr(args, mine), getattr(args, shipped)
+        if (a is None) != (b is None):
+            raise InputError(f"--{mine.replace('_', '-')} and --{shipped.replace('_', '-')} go together: "
+                             "a candidate's tau is compared with the shipped head's")
+        if a is not None:
+            pairs[what] = tau_pair(a, b, what)
+    study = load_study(args.file)
+    candidate = {"name": args.name, "tau": pairs, "verdict": candidate_verdict(pairs),
+                 "gpu_seconds": args.gpu_seconds, "date": args.date, "code": args.code, "command": args.command,
+                 "note": args.note}
+    study["candidates"] = [c for c in study.get("candidates") or [] if c["name"] != args.name] + \
+        [{k: v for k, v in candidate.items() if v is not None}]
+    return with_verdicts(study)
+
+
 def plot(study: dict) -> str:
     """The study as SVG: MT-bench tau against loss tokens (data points) and against steps (steps points),
     base-2 x axes, one tau scale for both; each capacity point drawn on both panels where its baseline is, as
@@ -353,6 +415,10 @@ def show(study: dict) -> str:
             lines.append(f"{axis}: {v['verdict']}" + (f" ({v['why']}{spent})" if "why" in v else ""))
     for run in study.get("attempts") or []:
         lines.append(f"attempt ({run['axis']}, {run['gpu_seconds']:,.0f} GPU s, no point): {run['why']}")
+    for c in study.get("candidates") or []:
+        pairs = "; ".join(f"{what} {pair['tau']:.3f} against {pair['shipped_tau']:.3f}"
+                          for what, pair in c["tau"].items())
+        lines.append(f"candidate {c['name']} ({pairs}): {c['verdict']}")
     return "\n".join(lines)
 
 
@@ -395,6 +461,21 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--code")
     t.add_argument("--command")
     t.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    c = sub.add_parser("candidate", help="record a head trained to replace the shipped one, against the shipped "
+                       "head's tau measured alike")
+    c.add_argument("--name", required=True)
+    c.add_argument("--mt-bench", type=Path, required=True, help="python -m eval tau's result on MT-bench (greedy)")
+    c.add_argument("--shipped-mt-bench", type=Path, required=True, help="the shipped head's, on the same device")
+    c.add_argument("--sampled", type=Path, help="python -m eval tau --temperature T's result on MT-bench")
+    c.add_argument("--shipped-sampled", type=Path, help="the shipped head's, at the same temperature and device")
+    c.add_argument("--spec-bench", type=Path, help="python -m eval tau's result on Spec-Bench")
+    c.add_argument("--shipped-spec-bench", type=Path, help="the shipped head's, on the same device")
+    c.add_argument("--gpu-seconds", type=float, help="GPU seconds of its self-distillation and training")
+    c.add_argument("--date", default=datetime.date.today().isoformat())
+    c.add_argument("--code", help="the commit of the code that trained and measured it")
+    c.add_argument("--command", help="the command that trained it")
+    c.add_argument("--note")
+    c.add_argument("--file", type=Path, default=DEFAULT_FILE)
     s = sub.add_parser("show", help="the study's points and verdicts")
     s.add_argument("--file", type=Path, default=DEFAULT_FILE)
     d = sub.add_parser("draw", help="redraw the study's figure from its file (add does this itself)")
@@ -413,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {args.figure}", file=sys.stderr)
         elif args.command_name == "attempt":
             study = add_attempt(args)
+            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
+        elif args.command_name == "candidate":
+            study = add_candidate(args)
             write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
         elif args.command_name == "spec-bench":
             study = attach_spec_bench(load_study(args.file), args.name, args.result)

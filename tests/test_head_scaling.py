@@ -266,3 +266,67 @@ def test_a_point_written_before_mixes_were_named_counts_as_the_recipes_data():
     got = verdicts(pts)
     assert [(s["from"], s["to"]) for s in got["data"]["steps"]] == [("a", "b")]
     assert got["data:own"]["verdict"] == "needs two points"
+
+
+def _measured(path, all_, device="NVIDIA H100 80GB HBM3", temperature=0.0, tree=None):
+    """A tau result with the run record and settings that ``candidate`` compares."""
+    path.write_text(json.dumps({"tau": {"all": all_}, "tree": tree or {"total_tokens": 60, "depth": 6, "top_k": 10},
+                                "temperature": temperature, "run": {"device": device}}))
+    return path
+
+
+def test_a_candidate_beats_the_shipped_head_only_by_two_percent_and_nowhere_worse(tmp_path, capsys):
+    """A head trained to replace the shipped one is set against the shipped head's tau measured alike: it beats
+    it (and the speed run comes next) at 2 % more greedy MT-bench tau with no other pair 2 % lower; the same
+    name again replaces it; the study's points and verdicts are kept."""
+    study = tmp_path / "head_scaling.json"
+    assert main(["add", "--name", "1x", "--axis", "data", "--loss-tokens", "14e6", "--steps", "2000",
+                 "--mt-bench", str(_tau(tmp_path / "p.json", 3.2)), "--file", str(study),
+                 "--figure", str(tmp_path / "f.svg")]) == 0
+    shipped = _measured(tmp_path / "shipped.json", 3.883)
+    shipped_t07 = _measured(tmp_path / "shipped_t07.json", 3.219, temperature=0.7)
+
+    def candidate(name, greedy, sampled):
+        return main(["candidate", "--name", name, "--mt-bench", str(_measured(tmp_path / f"{name}.json", greedy)),
+                     "--shipped-mt-bench", str(shipped),
+                     "--sampled", str(_measured(tmp_path / f"{name}_t07.json", sampled, temperature=0.7)),
+                     "--shipped-sampled", str(shipped_t07), "--gpu-seconds", "900", "--file", str(study)])
+
+    assert candidate("warm", 3.916, 3.161) == 0  # +0.85 % greedy, -1.8 % sampled
+    data = json.loads(study.read_text())
+    (warm,) = data["candidates"]
+    assert warm["tau"]["MT-bench"] == {"tau": 3.916, "shipped_tau": 3.883, "gain": 0.0085,
+                                       "device": "NVIDIA H100 80GB HBM3", "temperature": 0.0}
+    assert warm["verdict"] == "does not beat the shipped head (MT-bench +0.9%, under 2%)"
+    assert [p["name"] for p in data["points"]] == ["1x"] and data["verdicts"]["data"]["verdict"] == "needs two points"
+    assert "candidate warm (MT-bench 3.916 against 3.883; MT-bench sampled 3.161 against 3.219)" in \
+        capsys.readouterr().out
+    assert candidate("warm", 3.99, 3.10) == 0  # +2.8 % greedy, but -3.7 % sampled
+    (warm,) = json.loads(study.read_text())["candidates"]
+    assert warm["verdict"] == "does not beat the shipped head (MT-bench sampled -3.7%)"
+    assert candidate("longer", 3.99, 3.20) == 0
+    longer = json.loads(study.read_text())["candidates"][1]
+    assert longer["verdict"].startswith("beats the shipped head's tau (MT-bench +2.8%): the speed run against it")
+
+
+@pytest.mark.parametrize("mine, shipped, expected", [
+    ({"device": "NVIDIA H200"}, {}, "MT-bench: the candidate's tau and the shipped head's were measured with another "
+                                    "device (NVIDIA H200 against NVIDIA H100 80GB HBM3)"),
+    ({"temperature": 0.7}, {}, "measured with another temperature (0.7 against 0.0)"),
+    ({"tree": {"total_tokens": 64}}, {}, "measured with another tree"),
+])
+def test_a_candidate_measured_unlike_the_shipped_head_is_refused(tmp_path, capsys, mine, shipped, expected):
+    study = tmp_path / "head_scaling.json"
+    study.write_text('{"points": [], "attempts": []}\n')
+    before = study.read_text()
+    assert main(["candidate", "--name", "c", "--mt-bench", str(_measured(tmp_path / "c.json", 4.0, **mine)),
+                 "--shipped-mt-bench", str(_measured(tmp_path / "s.json", 3.9, **shipped)),
+                 "--file", str(study)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and err.count("\n") == 1
+    assert study.read_text() == before
+    assert main(["candidate", "--name", "c", "--mt-bench", str(tmp_path / "c.json"),
+                 "--shipped-mt-bench", str(tmp_path / "c.json"), "--sampled", str(tmp_path / "c.json"),
+                 "--file", str(study)]) == 2
+    assert "--sampled and --shipped-sampled go together" in capsys.readouterr().err
+    assert study.read_text() == before
