@@ -67,7 +67,8 @@ WHAT = ("The draft head's scaling study for the default model: MT-bench tau (80 
         "says what its answers were (recipe: the target's answers plus the original ones; own: the target's answers "
         "only), and an axis compares points of one mix. Stop rule: an axis stops when its last doubling adds less "
         "than 2 % tau, or when it has spent 3 hours of GPU time in all (its points of every mix and its attempts, "
-        "runs that made no point).")
+        "runs that made no point). Candidates are heads trained to replace the shipped head, each against the shipped "
+        "head's tau measured alike.")
 
 
 def per_doubling(x_a: float, tau_a: float, x_b: float, tau_b: float) -> float:
