@@ -131,15 +131,20 @@ def draw_panel(panel: Panel, left: int, width: int, height: int) -> str:
 
 
 def ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """Round tick values covering [lo, hi]."""
+    """Round tick values covering [lo, hi]: the largest step of 1, 2 or 5 times a power of ten that gives at most
+    ``count`` spans, or the next smaller one where that leaves fewer than three ticks."""
     span = hi - lo or abs(hi) or 1.0
-    step = 10 ** math.floor(math.log10(span / count))
-    for factor in (1, 2, 5, 10):
-        if span / (step * factor) <= count:
-            step *= factor
-            break
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+    base = 10 ** math.floor(math.log10(span / count))
+    steps = [base * factor for factor in (1, 2, 5, 10)]
+    chosen = next(i for i, step in enumerate(steps) if span / step <= count)
+
+    def values(step: float) -> list[float]:
+        first = math.ceil(lo / step) * step
+        return [first + i * step for i in range(int((hi - first) / step) + 1)]
+
+    if chosen > 0 and len(values(steps[chosen])) < 3:
+        chosen -= 1
+    return values(steps[chosen])
 
 
 def tick_labels(values: list[float]) -> list[str]:

@@ -347,15 +347,26 @@ def add_candidate(args: argparse.Namespace) -> dict:
     return with_verdicts(study)
 
 
+def shipped_mt_bench(study: dict) -> float | None:
+    """The shipped head's greedy MT-bench tau as the latest candidate measured it (None: no candidate)."""
+    for candidate in reversed(study.get("candidates") or []):
+        pair = candidate.get("tau", {}).get("MT-bench")
+        if pair:
+            return pair["shipped_tau"]
+    return None
+
+
 def plot(study: dict) -> str:
     """The study as SVG: MT-bench tau against loss tokens (data points) and against steps (steps points),
     base-2 x axes, one tau scale for both; each capacity point drawn on both panels where its baseline is, as
-    its own series."""
+    its own series; where a candidate has measured the shipped head, its greedy MT-bench tau as a dashed line
+    across both panels (how far the study's heads are from it)."""
     from .figures import COLORS, Panel, Series, svg
 
     points = study["points"]
     by_name = {p["name"]: p for p in points}
-    taus = [p["mt_bench_tau"] for p in points]
+    shipped = shipped_mt_bench(study)
+    taus = [p["mt_bench_tau"] for p in points] + ([shipped] if shipped is not None else [])
     shared = (min(taus), max(taus)) if taus else None  # one tau scale on both panels: gains compare by eye
     panels = []
     colors = {"recipe": COLORS["eagle2"], "own": COLORS["js"]}  # a mix added later: grey until it has a colour
@@ -371,6 +382,10 @@ def plot(study: dict) -> str:
             base = by_name.get(p.get("baseline")) if p["axis"] == "capacity" else None
             if base is not None and base["axis"] == axis and base.get(key):
                 series.append(Series(p["name"], COLORS["fsd"], [(base[key], p["mt_bench_tau"])], [p["name"]]))
+        if series and shipped is not None:
+            xs = [x for one in series for x, _ in one.points]
+            series.append(Series("shipped head", COLORS["ar"], [(min(xs), shipped), (max(xs), shipped)],
+                                 ["", f"shipped head {shipped:.2f}"], dashed=True))
         if series:
             panels.append(Panel(f"tau against {title}", f"{title} (log scale)", "MT-bench tau (greedy)", series,
                                 log_x=True, legend="upper left", y_range=shared))

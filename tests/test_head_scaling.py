@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -173,6 +174,11 @@ def test_the_figure_puts_both_axes_on_one_tau_scale_with_ticks_told_apart():
     from eval.head_scaling import plot
 
     assert tick_labels([3.19, 3.2, 3.21]) == ["3.19", "3.20", "3.21"] and tick_labels([1000, 2000]) == ["1,000", "2,000"]
+    from eval.figures import ticks
+
+    assert ticks(0, 10) == [0, 2, 4, 6, 8, 10]
+    # 1.31 wide: steps of 0.5 would leave two ticks, so 0.2
+    assert [round(t, 1) for t in ticks(2.57, 3.883)] == [2.6, 2.8, 3.0, 3.2, 3.4, 3.6, 3.8]
     study = {"points": [
         {"name": "s1k", "axis": "steps", "steps": 1000, "loss_tokens": 14e6, "mt_bench_tau": 2.6},
         {"name": "s2k", "axis": "steps", "steps": 2000, "loss_tokens": 14e6, "mt_bench_tau": 3.19},
@@ -330,3 +336,21 @@ def test_a_candidate_measured_unlike_the_shipped_head_is_refused(tmp_path, capsy
                  "--file", str(study)]) == 2
     assert "--sampled and --shipped-sampled go together" in capsys.readouterr().err
     assert study.read_text() == before
+
+
+def test_the_figure_draws_the_shipped_heads_tau_once_a_candidate_measured_it():
+    """With a candidate, both panels get the shipped head's greedy MT-bench tau as a dashed line spanning
+    their points, and the shared tau scale reaches it; without one, no such line."""
+    from eval.head_scaling import plot
+
+    study = {"points": [
+        {"name": "s1k", "axis": "steps", "steps": 1000, "loss_tokens": 14e6, "mt_bench_tau": 2.6},
+        {"name": "s2k", "axis": "steps", "steps": 2000, "loss_tokens": 14e6, "mt_bench_tau": 3.19},
+        {"name": "d", "axis": "data", "steps": 2000, "loss_tokens": 18e6, "baseline": "s2k", "mt_bench_tau": 3.23}]}
+    assert "shipped head" not in plot(study)
+    study["candidates"] = [{"name": "c", "tau": {"MT-bench": {"tau": 3.9, "shipped_tau": 3.883, "gain": 0.0044}}}]
+    drawn = plot(study)
+    assert drawn.count("shipped head 3.88</text>") == 2 and drawn.count('stroke-dasharray="4 3"/>') >= 2
+    lines = re.findall(r'<polyline points="[\d.]+,([\d.]+) [\d.]+,([\d.]+)" fill="none" stroke="#888888" '
+                       r'stroke-width="1.6" stroke-dasharray', drawn)
+    assert len(lines) == 2 and all(a == b and 28 < float(a) < 258 for a, b in lines)  # level, inside the plot
