@@ -32,7 +32,8 @@ its baseline's by at least ``STOP_GAIN``.
 
 A candidate is a head trained to replace the shipped one rather than to place a point (a warm start from the
 shipped head, say), set against the shipped head's tau measured on the same device with the same settings
-(``candidate`` refuses a pair measured on two devices or at two temperatures). It beats the shipped head's tau
+(``candidate`` refuses a pair measured on two devices, at two temperatures or with two trees, a greedy
+MT-bench result that was sampled and a sampled one that was greedy). It beats the shipped head's tau
 when its greedy MT-bench tau is higher by at least ``STOP_GAIN`` and no other pair it gives (sampled MT-bench,
 Spec-Bench) is lower by that much; only then is the speed run against the shipped head worth its GPU time, and
 the head ships if that run agrees.
@@ -177,6 +178,9 @@ def read_result(path: Path) -> dict:
         data["tau"] = {k: float(v) for k, v in tau.items()}
     except (TypeError, ValueError):
         raise InputError(f"{path}: a tau value is not a number") from None
+    bad = {k: v for k, v in data["tau"].items() if not (math.isfinite(v) and v >= 1)}
+    if bad:  # tau counts the tokens a round commits: at least the target's own one
+        raise InputError(f"{path}: tau {bad} is not a tau (at least 1)")
     return data
 
 
@@ -338,6 +342,12 @@ def add_candidate(args: argparse.Namespace) -> dict:
                              "a candidate's tau is compared with the shipped head's")
         if a is not None:
             pairs[what] = tau_pair(a, b, what)
+    sampled = {"MT-bench": False, "MT-bench sampled": True}
+    for what, pair in pairs.items():
+        if what in sampled and bool(pair["temperature"]) != sampled[what]:
+            raise InputError(f"the {what} results were measured at temperature {pair['temperature']}: "
+                             + ("--sampled takes results of python -m eval tau --temperature T > 0" if sampled[what]
+                                else "--mt-bench takes greedy results (temperature 0)"))
     study = load_study(args.file)
     candidate = {"name": args.name, "tau": pairs, "verdict": candidate_verdict(pairs),
                  "gpu_seconds": args.gpu_seconds, "date": args.date, "code": args.code, "command": args.command,

@@ -320,21 +320,29 @@ def test_a_candidate_beats_the_shipped_head_only_by_two_percent_and_nowhere_wors
                                     "device (NVIDIA H200 against NVIDIA H100 80GB HBM3)"),
     ({"temperature": 0.7}, {}, "measured with another temperature (0.7 against 0.0)"),
     ({"tree": {"total_tokens": 64}}, {}, "measured with another tree"),
+    ({"temperature": 0.7}, {"temperature": 0.7}, "the MT-bench results were measured at temperature 0.7: --mt-bench "
+                                                 "takes greedy results (temperature 0)"),
+    ({"all_": 0}, {}, "c.json: tau {'all': 0.0} is not a tau (at least 1)"),
 ])
 def test_a_candidate_measured_unlike_the_shipped_head_is_refused(tmp_path, capsys, mine, shipped, expected):
     study = tmp_path / "head_scaling.json"
     study.write_text('{"points": [], "attempts": []}\n')
     before = study.read_text()
-    assert main(["candidate", "--name", "c", "--mt-bench", str(_measured(tmp_path / "c.json", 4.0, **mine)),
+    mine = {"all_": 4.0, **mine}
+    assert main(["candidate", "--name", "c", "--mt-bench", str(_measured(tmp_path / "c.json", **mine)),
                  "--shipped-mt-bench", str(_measured(tmp_path / "s.json", 3.9, **shipped)),
                  "--file", str(study)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expected in err and err.count("\n") == 1
     assert study.read_text() == before
-    assert main(["candidate", "--name", "c", "--mt-bench", str(tmp_path / "c.json"),
-                 "--shipped-mt-bench", str(tmp_path / "c.json"), "--sampled", str(tmp_path / "c.json"),
-                 "--file", str(study)]) == 2
+    greedy = _measured(tmp_path / "g.json", 3.9)
+    assert main(["candidate", "--name", "c", "--mt-bench", str(greedy), "--shipped-mt-bench", str(greedy),
+                 "--sampled", str(greedy), "--file", str(study)]) == 2
     assert "--sampled and --shipped-sampled go together" in capsys.readouterr().err
+    assert main(["candidate", "--name", "c", "--mt-bench", str(greedy), "--shipped-mt-bench", str(greedy),
+                 "--sampled", str(greedy), "--shipped-sampled", str(greedy), "--file", str(study)]) == 2
+    assert "the MT-bench sampled results were measured at temperature 0.0: --sampled takes results of " \
+        "python -m eval tau --temperature T > 0" in capsys.readouterr().err
     assert study.read_text() == before
 
 
