@@ -11,8 +11,8 @@ per trained head, with the stop rule's verdict per axis.
     python -m eval head-scaling show
     python -m eval head-scaling draw    # the figure again, e.g. after a change to how it is drawn
 
-``add`` also redraws the study's figure (``docs/figures/head_scaling.svg``: tau against loss tokens and
-against training steps, capacity points beside their baselines).
+``add`` and ``candidate`` also redraw the study's figure (``docs/figures/head_scaling.svg``: tau against loss
+tokens and against training steps, capacity points beside their baselines, the shipped head's tau as a line).
 
 A point is one head: the axis it belongs to (``data``: loss tokens at a fixed number of steps, ``steps``: training
 steps at fixed data, ``capacity``: a larger head at equal training compute, named against its ``--baseline``
@@ -502,6 +502,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--command", help="the command that trained it")
     c.add_argument("--note")
     c.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    c.add_argument("--figure", type=Path, default=DEFAULT_FIGURE, help="the SVG figure redrawn from the study")
     s = sub.add_parser("show", help="the study's points and verdicts")
     s.add_argument("--file", type=Path, default=DEFAULT_FILE)
     d = sub.add_parser("draw", help="redraw the study's figure from its file (add does this itself)")
@@ -524,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command_name == "candidate":
             study = add_candidate(args)
             write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
+            if write_figure(study, args.figure):  # its line for the shipped head's tau
+                print(f"wrote {args.figure}", file=sys.stderr)
         elif args.command_name == "spec-bench":
             study = attach_spec_bench(load_study(args.file), args.name, args.result)
             write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")

@@ -285,10 +285,11 @@ def test_a_candidate_beats_the_shipped_head_only_by_two_percent_and_nowhere_wors
     """A head trained to replace the shipped one is set against the shipped head's tau measured alike: it beats
     it (and the speed run comes next) at 2 % more greedy MT-bench tau with no other pair 2 % lower; the same
     name again replaces it; the study's points and verdicts are kept."""
-    study = tmp_path / "head_scaling.json"
+    study, figure = tmp_path / "head_scaling.json", tmp_path / "f.svg"
     assert main(["add", "--name", "1x", "--axis", "data", "--loss-tokens", "14e6", "--steps", "2000",
                  "--mt-bench", str(_tau(tmp_path / "p.json", 3.2)), "--file", str(study),
-                 "--figure", str(tmp_path / "f.svg")]) == 0
+                 "--figure", str(figure)]) == 0
+    assert "shipped head" not in figure.read_text()
     shipped = _measured(tmp_path / "shipped.json", 3.883)
     shipped_t07 = _measured(tmp_path / "shipped_t07.json", 3.219, temperature=0.7)
 
@@ -296,9 +297,11 @@ def test_a_candidate_beats_the_shipped_head_only_by_two_percent_and_nowhere_wors
         return main(["candidate", "--name", name, "--mt-bench", str(_measured(tmp_path / f"{name}.json", greedy)),
                      "--shipped-mt-bench", str(shipped),
                      "--sampled", str(_measured(tmp_path / f"{name}_t07.json", sampled, temperature=0.7)),
-                     "--shipped-sampled", str(shipped_t07), "--gpu-seconds", "900", "--file", str(study)])
+                     "--shipped-sampled", str(shipped_t07), "--gpu-seconds", "900", "--file", str(study),
+                     "--figure", str(figure)])
 
     assert candidate("warm", 3.916, 3.161) == 0  # +0.85 % greedy, -1.8 % sampled
+    assert "shipped head 3.88" in figure.read_text()  # redrawn with the shipped head's line
     data = json.loads(study.read_text())
     (warm,) = data["candidates"]
     assert warm["tau"]["MT-bench"] == {"tau": 3.916, "shipped_tau": 3.883, "gain": 0.0085,
@@ -325,22 +328,23 @@ def test_a_candidate_beats_the_shipped_head_only_by_two_percent_and_nowhere_wors
     ({"all_": 0}, {}, "c.json: tau {'all': 0.0} is not a tau (at least 1)"),
 ])
 def test_a_candidate_measured_unlike_the_shipped_head_is_refused(tmp_path, capsys, mine, shipped, expected):
-    study = tmp_path / "head_scaling.json"
+    study, figure = tmp_path / "head_scaling.json", tmp_path / "f.svg"
     study.write_text('{"points": [], "attempts": []}\n')
     before = study.read_text()
     mine = {"all_": 4.0, **mine}
     assert main(["candidate", "--name", "c", "--mt-bench", str(_measured(tmp_path / "c.json", **mine)),
                  "--shipped-mt-bench", str(_measured(tmp_path / "s.json", 3.9, **shipped)),
-                 "--file", str(study)]) == 2
+                 "--file", str(study), "--figure", str(figure)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expected in err and err.count("\n") == 1
     assert study.read_text() == before
     greedy = _measured(tmp_path / "g.json", 3.9)
     assert main(["candidate", "--name", "c", "--mt-bench", str(greedy), "--shipped-mt-bench", str(greedy),
-                 "--sampled", str(greedy), "--file", str(study)]) == 2
+                 "--sampled", str(greedy), "--file", str(study), "--figure", str(figure)]) == 2
     assert "--sampled and --shipped-sampled go together" in capsys.readouterr().err
     assert main(["candidate", "--name", "c", "--mt-bench", str(greedy), "--shipped-mt-bench", str(greedy),
-                 "--sampled", str(greedy), "--shipped-sampled", str(greedy), "--file", str(study)]) == 2
+                 "--sampled", str(greedy), "--shipped-sampled", str(greedy), "--file", str(study),
+                 "--figure", str(figure)]) == 2
     assert "the MT-bench sampled results were measured at temperature 0.0: --sampled takes results of " \
         "python -m eval tau --temperature T > 0" in capsys.readouterr().err
     assert study.read_text() == before
