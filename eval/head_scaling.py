@@ -448,6 +448,16 @@ def show(study: dict) -> str:
     return "\n".join(lines)
 
 
+def add_record_options(p: argparse.ArgumentParser) -> None:
+    """How a trained head was made and where it is written: the options of ``add`` and ``candidate``."""
+    p.add_argument("--date", default=datetime.date.today().isoformat())
+    p.add_argument("--code", help="the commit of the code that trained and measured it")
+    p.add_argument("--command", help="the command that trained it")
+    p.add_argument("--note")
+    p.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    p.add_argument("--figure", type=Path, default=DEFAULT_FIGURE, help="the SVG figure redrawn from the study")
+
+
 def parser() -> argparse.ArgumentParser:
     from fsd_eagle.cli import OneLineParser
 
@@ -468,12 +478,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--spec-bench", type=Path, help="python -m eval tau's result on Spec-Bench")
     a.add_argument("--recipe", help="the training recipe (a file in training/recipes/)")
     a.add_argument("--device")
-    a.add_argument("--date", default=datetime.date.today().isoformat())
-    a.add_argument("--code", help="the commit of the code that trained and measured it")
-    a.add_argument("--command", help="the command that trained it")
-    a.add_argument("--note")
-    a.add_argument("--file", type=Path, default=DEFAULT_FILE)
-    a.add_argument("--figure", type=Path, default=DEFAULT_FIGURE, help="the SVG figure redrawn from the study")
+    add_record_options(a)
     b = sub.add_parser("spec-bench", help="write a point's Spec-Bench tau, measured apart from its training run")
     b.add_argument("--name", required=True, help="the point")
     b.add_argument("result", type=Path, help="python -m eval tau --questions spec_bench's result")
@@ -497,12 +502,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--spec-bench", type=Path, help="python -m eval tau's result on Spec-Bench")
     c.add_argument("--shipped-spec-bench", type=Path, help="the shipped head's, on the same device")
     c.add_argument("--gpu-seconds", type=float, help="GPU seconds of its self-distillation and training")
-    c.add_argument("--date", default=datetime.date.today().isoformat())
-    c.add_argument("--code", help="the commit of the code that trained and measured it")
-    c.add_argument("--command", help="the command that trained it")
-    c.add_argument("--note")
-    c.add_argument("--file", type=Path, default=DEFAULT_FILE)
-    c.add_argument("--figure", type=Path, default=DEFAULT_FIGURE, help="the SVG figure redrawn from the study")
+    add_record_options(c)
     s = sub.add_parser("show", help="the study's points and verdicts")
     s.add_argument("--file", type=Path, default=DEFAULT_FILE)
     d = sub.add_parser("draw", help="redraw the study's figure from its file (add does this itself)")
