@@ -298,9 +298,11 @@ def add_attempt(args: argparse.Namespace) -> dict:
     return with_verdicts(study)
 
 
-# A candidate's tau pairs: the option naming its result, the shipped head's, and the pair's name in the study.
-CANDIDATE_PAIRS = (("mt_bench", "shipped_mt_bench", "MT-bench"), ("sampled", "shipped_sampled", "MT-bench sampled"),
-                   ("spec_bench", "shipped_spec_bench", "Spec-Bench"))
+# A candidate's tau pairs: the option naming its result, the shipped head's, the pair's name in the study, and
+# whether its results must be sampled (True), greedy (False) or either (None).
+CANDIDATE_PAIRS = (("mt_bench", "shipped_mt_bench", "MT-bench", False),
+                   ("sampled", "shipped_sampled", "MT-bench sampled", True),
+                   ("spec_bench", "shipped_spec_bench", "Spec-Bench", None))
 
 
 def tau_pair(mine: Path, shipped: Path, what: str) -> dict:
@@ -335,18 +337,17 @@ def add_candidate(args: argparse.Namespace) -> dict:
     """The study with ``args``' candidate written (replacing one of the same name)."""
     positive("gpu-seconds", args.gpu_seconds)
     pairs = {}
-    for mine, shipped, what in CANDIDATE_PAIRS:
+    for mine, shipped, what, sampled in CANDIDATE_PAIRS:
         a, b = getattr(args, mine), getattr(args, shipped)
         if (a is None) != (b is None):
             raise InputError(f"--{mine.replace('_', '-')} and --{shipped.replace('_', '-')} go together: "
                              "a candidate's tau is compared with the shipped head's")
-        if a is not None:
-            pairs[what] = tau_pair(a, b, what)
-    sampled = {"MT-bench": False, "MT-bench sampled": True}
-    for what, pair in pairs.items():
-        if what in sampled and bool(pair["temperature"]) != sampled[what]:
+        if a is None:
+            continue
+        pair = pairs[what] = tau_pair(a, b, what)
+        if sampled is not None and bool(pair["temperature"]) != sampled:
             raise InputError(f"the {what} results were measured at temperature {pair['temperature']}: "
-                             + ("--sampled takes results of python -m eval tau --temperature T > 0" if sampled[what]
+                             + ("--sampled takes results of python -m eval tau --temperature T > 0" if sampled
                                 else "--mt-bench takes greedy results (temperature 0)"))
     study = load_study(args.file)
     candidate = {"name": args.name, "tau": pairs, "verdict": candidate_verdict(pairs),

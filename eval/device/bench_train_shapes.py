@@ -127,7 +127,8 @@ def main() -> int:
         model, _ = load_target(str(folder), device, torch.bfloat16)
     target = Target(model)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-               "transformers": transformers.__version__, "label": args.label, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "variants": {}}
+               "transformers": transformers.__version__, "label": args.label,
+               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "variants": {}}
     torch.manual_seed(0)  # one step first on a shape no variant runs (T < 64): library and kernel start-up
     head = EagleHead(head_config(recipe, model.config.get_text_config(), "recipe")).to(device)
     timed_steps(target, head, torch.optim.AdamW(head.parameters(), lr=1e-4), recipe, [(8, 63)])
