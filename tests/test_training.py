@@ -306,9 +306,9 @@ def test_max_steps_beyond_the_recipes_epochs_is_said_at_the_start_with_the_epoch
 
 def test_cudnn_attention_off_keeps_sdpa_off_cudnn_in_every_step_and_resumes_either_way(llama, tmp_path,
                                                                                           monkeypatch):
-    """--cudnn-attention off (recipe "cudnn_attention": false): every training step runs with SDPA's cuDNN
-    kernel disabled, and the setting is restored after the run; on (the default) leaves it enabled. A run
-    resumes under the other setting (the same attention, other kernels), and a non-boolean value is refused."""
+    """--cudnn-attention off (recipe "cudnn_attention": false, the default): every training step runs with SDPA's
+    cuDNN kernel disabled, and the setting is restored after the run; on leaves it enabled. A run resumes under
+    the other setting (the same attention, other kernels), and a non-boolean value is refused."""
     import training.train as train_module
 
     seen, loss = [], train_module.head_loss
@@ -320,6 +320,8 @@ def test_cudnn_attention_off_keeps_sdpa_off_cudnn_in_every_step_and_resumes_eith
     assert main(llama.argv(out, "--max-steps", 2, "--resume", "--cudnn-attention", "on")) == 0
     assert seen == [False, True] and _progress(out)["step"] == 2
     assert (out / "head" / "model.safetensors").exists()
+    assert main(llama.argv(tmp_path / "default", "--max-steps", 1)) == 0
+    assert seen == [False, True, False] and torch.backends.cuda.cudnn_sdp_enabled()
     recipe = llama.write_recipe("recipe_cudnn.json", cudnn_attention="no")
     assert main(llama.argv(tmp_path / "bad", recipe=recipe)) == 2
     assert not (tmp_path / "bad").exists()

@@ -480,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-steps", type=int,
                    help="stop training after N steps, the schedule fitted to them (0: no cap; default: the recipe's)")
     r.add_argument("--cudnn-attention", choices=("on", "off"),
-                   help="let SDPA use cuDNN's attention kernel in training (default: the recipe's, on); off: "
-                        "flash / memory-efficient / math only (cuDNN plans each new batch shape anew)")
+                   help="let SDPA use cuDNN's attention kernel in training (default: the recipe's, off: flash / "
+                        "memory-efficient / math only; cuDNN plans each new batch shape anew)")
     r.add_argument("--time-budget", type=float,
                    help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")
     r.add_argument("--stop-after", type=float,

@@ -51,7 +51,7 @@ class Recipe:
     layers: list[int] = field(default_factory=list)  # eagle3: target layers read ([] = HeadConfig's default)
     draft_vocab_size: int = 0  # eagle3: the head's lm_head covers the N most frequent answer tokens (0 = all)
     head_intermediate_size: int = 0  # the head's MLP width (0 = the target's intermediate_size, EAGLE's choice)
-    cudnn_attention: bool = True  # false: training's SDPA never uses cuDNN's kernel (train.attention_kernels)
+    cudnn_attention: bool = False  # true: training's SDPA may use cuDNN's kernel (train.attention_kernels)
     val_fraction: float = 0.01
     val_prompts: int = 8
     val_new_tokens: int = 96

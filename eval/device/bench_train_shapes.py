@@ -7,9 +7,9 @@ SmolLM2-135M-Instruct's shape (zero weights: the same kernels and shapes, no dow
 recipe's EAGLE-3 head take ``--shapes`` batch shapes twice, one timed step each (forward of the target,
 the head's unrolled loss, backward, AdamW), under each variant:
 
-- ``default``: as the trainer runs;
-- ``no-cudnn-sdp``: as ``--cudnn-attention off`` trains (``training.train.attention_kernels``): every SDPA
-  kernel but cuDNN's, which builds an execution plan per new shape;
+- ``default``: torch's choice of kernels, as ``--cudnn-attention on`` trains;
+- ``no-cudnn-sdp``: as the trainer runs by default (``--cudnn-attention off``, ``training.train.attention_kernels``):
+  every SDPA kernel but cuDNN's, which builds an execution plan per new shape;
 - ``target-only``: the target's forward alone (``target_features``), to tell its part from the head's.
 
 Run it once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (set before CUDA starts) and
