@@ -601,7 +601,7 @@ def summary(case: dict, r: dict) -> str:
     elif err_lines and ("code" not in case or any(line.startswith("error:") for line in err_lines)):
         error_lines = [line for line in err_lines if line.startswith(("error:", "interrupted"))]
         shown = error_lines[-1] if error_lines else err_lines[-1]
-        parts.append(f"{len(err_lines)} stderr line{'s' * (len(err_lines) > 1)}: `{_short(shown, 170)}`")
+        parts.append(f"{len(err_lines)} stderr line{'s' * (len(err_lines) > 1)}: {_code(_short(shown, 170))}")
     if "code" not in case and "proc" not in case and not results and r["rc"] == 0:
         parts.append("output: " + _short(r["out"].strip().splitlines()[-1] if r["out"].strip() else "(none)", 60))
     if r.get("marker") is not None:
@@ -617,6 +617,11 @@ def summary(case: dict, r: dict) -> str:
 def _short(text: str, n: int = 90) -> str:
     text = re.sub(r"/tmp/fsd_hardening_\w+/", "…/", " ".join(text.split())).replace("|", "\\|")
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _code(text: str) -> str:
+    """``text`` as a markdown code span: one backtick each side, or two with a space where it holds backticks."""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
 
 
 def run_all(tree: Path, out: Path, only: list[str]) -> None:
