@@ -512,25 +512,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def save(study: dict, file: Path, figure: Path | None = None) -> None:
+    """Write the study atomically, and redraw its figure into ``figure`` where one is given."""
+    write_text_atomic(file, json.dumps(study, indent=1) + "\n")
+    if figure is not None and write_figure(study, figure):
+        print(f"wrote {figure}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command_name == "add":
             study = add(args)
-            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
-            if write_figure(study, args.figure):
-                print(f"wrote {args.figure}", file=sys.stderr)
+            save(study, args.file, args.figure)
         elif args.command_name == "attempt":
             study = add_attempt(args)
-            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
+            save(study, args.file)
         elif args.command_name == "candidate":
             study = add_candidate(args)
-            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
-            if write_figure(study, args.figure):  # its line for the shipped head's tau
-                print(f"wrote {args.figure}", file=sys.stderr)
+            save(study, args.file, args.figure)  # the figure's line for the shipped head's tau
         elif args.command_name == "spec-bench":
             study = attach_spec_bench(load_study(args.file), args.name, args.result)
-            write_text_atomic(args.file, json.dumps(study, indent=1) + "\n")
+            save(study, args.file)
         elif args.command_name == "draw":
             study = load_study(args.file)
             if write_figure(study, args.figure):
