@@ -406,19 +406,22 @@ def plot(study: dict) -> str:
     return svg(panels, caption) if panels else ""
 
 
-def write_figure(study: dict, path: Path) -> bool:
-    """Redraw the study's figure at ``path`` (False: nothing to draw yet); a file there that this command did
-    not draw is not replaced (InputError)."""
+def checked_figure(study: dict, path: Path) -> str | None:
+    """The study's figure as SVG text for ``path`` (None: nothing to draw yet), checked before anything is
+    written: a file there that this command did not draw is not replaced (InputError)."""
     from .figures import replaceable
 
     drawn = plot(study)
-    if not drawn:
-        return False
-    if not replaceable(path):
+    if drawn and not replaceable(path):
         raise InputError(f"{path} exists and was not drawn by this command: not replaced (choose another --figure)")
+    return drawn or None
+
+
+def write_figure(path: Path, drawn: str) -> None:
+    """Write a figure that ``checked_figure`` drew for ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, drawn)
-    return True
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def show(study: dict) -> str:
@@ -513,10 +516,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def save(study: dict, file: Path, figure: Path | None = None) -> None:
-    """Write the study atomically, and redraw its figure into ``figure`` where one is given."""
+    """Write the study atomically, and redraw its figure into ``figure`` where one is given; a figure that may
+    not be replaced is refused before the study is written, so that the two never disagree."""
+    drawn = checked_figure(study, figure) if figure is not None else None
     write_text_atomic(file, json.dumps(study, indent=1) + "\n")
-    if figure is not None and write_figure(study, figure):
-        print(f"wrote {figure}", file=sys.stderr)
+    if drawn is not None:
+        write_figure(figure, drawn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -536,8 +541,9 @@ def main(argv: list[str] | None = None) -> int:
             save(study, args.file)
         elif args.command_name == "draw":
             study = load_study(args.file)
-            if write_figure(study, args.figure):
-                print(f"wrote {args.figure}", file=sys.stderr)
+            drawn = checked_figure(study, args.figure)
+            if drawn is not None:
+                write_figure(args.figure, drawn)
         else:
             study = load_study(args.file)
     except InputError as e:

@@ -129,12 +129,19 @@ def test_bad_points_are_refused_in_one_line(tmp_path, capsys, monkeypatch, args,
 
 
 def test_a_figure_not_drawn_by_it_is_not_replaced(tmp_path, capsys):
-    figure = tmp_path / "head_scaling.svg"
+    """The refusal comes before the study is written: a study and a figure that disagree are never left."""
+    figure, study = tmp_path / "head_scaling.svg", tmp_path / "s.json"
+    assert main(["add", "--name", "1x", "--axis", "steps", "--steps", "100", "--file", str(study),
+                 "--figure", str(tmp_path / "ours.svg"), "--mt-bench", str(_tau(tmp_path / "a.json", 3.0))]) == 0
+    before = study.read_text()
     figure.write_text("<svg>someone else's</svg>")
-    assert main(["add", "--name", "1x", "--axis", "steps", "--steps", "100", "--file", str(tmp_path / "s.json"),
-                 "--figure", str(figure), "--mt-bench", str(_tau(tmp_path / "a.json", 3.0))]) == 2
-    assert figure.read_text() == "<svg>someone else's</svg>"
+    capsys.readouterr()
+    assert main(["add", "--name", "2x", "--axis", "steps", "--steps", "200", "--file", str(study),
+                 "--figure", str(figure), "--mt-bench", str(_tau(tmp_path / "b.json", 3.2))]) == 2
+    assert figure.read_text() == "<svg>someone else's</svg>" and study.read_text() == before
     assert "not drawn by this command" in capsys.readouterr().err
+    assert main(["draw", "--file", str(study), "--figure", str(figure)]) == 2
+    assert figure.read_text() == "<svg>someone else's</svg>"
 
 
 def test_spec_bench_is_written_into_an_existing_point_with_how_it_ran(tmp_path, capsys):
