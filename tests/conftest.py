@@ -11,9 +11,12 @@ import shutil
 import sysconfig
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+
+from checkout_guard import changes, checkout_state
 
 # Tiny matmuls: thread start-up and contention with other processes cost far more than they save
 # (measured 10-100x slower with 2 threads on a busy 2-core machine). OMP_NUM_THREADS also keeps
@@ -315,3 +318,28 @@ def no_saved_compiled_functions(monkeypatch):
     """Compiled rounds are not written to disk unless a test asks (fsd_eagle.precompiled): a command that a
     test runs in this process sets the folder for the process, which is undone after each test."""
     monkeypatch.delenv("FSD_EAGLE_PRECOMPILED", raising=False)
+
+
+_CHECKOUT = Path(__file__).resolve().parent.parent
+_STATE_AT_START = pytest.StashKey[dict]()
+
+
+def pytest_sessionstart(session):
+    """Note the checkout's state (tests/checkout_guard.py) before the first test runs."""
+    state = checkout_state(_CHECKOUT)
+    if state is not None:
+        session.config.stash[_STATE_AT_START] = state
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when the tests changed, added or deleted a file of the checkout."""
+    before = session.config.stash.get(_STATE_AT_START, None)
+    after = checkout_state(_CHECKOUT) if before is not None else None
+    changed = changes(before, after) if after is not None else []
+    if changed:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write("\n")
+            reporter.write_line(f"the tests changed the checkout {_CHECKOUT}: " + ", ".join(changed), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
