@@ -27,7 +27,7 @@ import training.cli
 import training.distill
 from training.distill import sample_id
 import training.train
-from conftest import tiny_model
+from conftest import has_cpu_compiler, tiny_model
 from fsd_eagle.api import SpeculativeGenerator
 from fsd_eagle.head import EagleHead, HeadConfig
 from fsd_eagle.models import load_head, load_target, save_head
@@ -953,6 +953,47 @@ def test_eagle3_loss_is_the_cross_entropy_over_the_draft_vocabulary(llama):
     loss, metrics = training.train.head_loss(head, target, ids, attn, mask, Recipe(unroll=2))
     torch.testing.assert_close(loss, (step_loss(preds[0], 0) + 0.8 * step_loss(preds[1], 1)) / 1.8)
     assert metrics["feat"].abs().sum() == 0 and metrics["acc"].shape == (2,)
+
+
+@pytest.mark.skipif(not has_cpu_compiler(), reason="torch.compile on the CPU needs g++ and Python headers")
+def test_a_compiled_loss_equals_the_eager_one_on_every_batch_shape_and_trains_from_the_command_line(llama, tmp_path):
+    """recipe.compile (--compile on): the loss's pieces run compiled (training.train.loss_parts); the loss and
+    the head's gradients equal the eager ones (float32) on batches of two shapes, the second compiled by the
+    first's dynamic-shape compilation (no new graph), and a run trains with it; a non-boolean value is refused."""
+    from torch._dynamo.utils import counters
+
+    from fsd_eagle.target import Target
+    from training.recipe import Recipe
+
+    model, _ = load_target(str(llama.target), torch.device("cpu"), torch.float32)
+    target = Target(model)
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(model.config, arch="eagle3", draft_vocab_size=64))
+    head.set_draft_vocab(torch.randperm(VOCAB))
+    graphs = []
+    for b, t in [(2, 9), (3, 13)]:
+        ids, attn, mask = torch.randint(0, VOCAB, (b, t)), torch.ones(b, t, dtype=torch.bool), torch.zeros(b, t,
+                                                                                                     dtype=torch.bool)
+        attn[1, t - 2:], mask[:, 3:] = False, True
+        losses, grads = [], []
+        for compiled in (False, True):
+            head.zero_grad(set_to_none=True)
+            loss, _ = training.train.head_loss(head, target, ids, attn, mask, Recipe(unroll=2, compile=compiled))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in head.parameters() if p.grad is not None])
+        torch.testing.assert_close(losses[1], losses[0])
+        assert len(grads[1]) == len(grads[0]) > 0
+        for compiled_grad, eager_grad in zip(grads[1], grads[0]):
+            torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] > 0
+    recipe = llama.write_recipe("recipe_compiled.json", arch="eagle3", draft_vocab_size=64)
+    out = tmp_path / "compiled"
+    assert main(llama.argv(out, "--max-steps", 2, "--compile", "on", recipe=recipe)) == 0
+    assert _progress(out)["step"] == 2 and json.loads((out / "head" / "recipe.json").read_text())["compile"] is True
+    assert main(llama.argv(tmp_path / "bad", recipe=llama.write_recipe("recipe_bad.json", compile="yes"))) == 2
+    assert not (tmp_path / "bad").exists()
 
 
 def test_unroll_trains_and_logs_each_step(llama, tmp_path):

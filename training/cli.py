@@ -216,6 +216,8 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
             setattr(recipe, key, getattr(args, key))
     if args.cudnn_attention is not None:
         recipe.cudnn_attention = args.cudnn_attention == "on"
+    if args.compile is not None:
+        recipe.compile = args.compile == "on"
     check_threads(args.threads)
     if args.data:
         recipe.data = args.data
@@ -482,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cudnn-attention", choices=("on", "off"),
                    help="let SDPA use cuDNN's attention kernel in training (default: the recipe's, off: flash / "
                         "memory-efficient / math only; cuDNN plans each new batch shape anew)")
+    r.add_argument("--compile", choices=("on", "off"),
+                   help="compile the target's forward and the loss's logits with torch.compile, dynamic shapes "
+                        "(default: the recipe's, off; the first batch waits for the compilation)")
     r.add_argument("--time-budget", type=float,
                    help="seconds of training for the whole run (resumed calls included); the schedule is fitted to it")
     r.add_argument("--stop-after", type=float,

@@ -20,12 +20,13 @@ FINGERPRINT_FILE = "run.json"
 SEED_FILES = frozenset({"distilled.jsonl.gz", "distilled.json"})
 
 # Recipe values a resumed call may change: how long to train (a resume may extend a run), how often to save,
-# how validation is measured, which attention kernels compute the same attention, the data files' paths
+# how validation is measured, which attention kernels compute the same attention, whether the same loss is
+# compiled, the data files' paths
 # (their contents are compared, under "data"), and the distillation settings (checked against the cached
 # answers by check_distilled, which lets a resume extend them to more turns).
 RESUMABLE = frozenset({"epochs", "max_steps", "checkpoint_every", "val_prompts", "val_new_tokens", "distill_count",
                        "distill_batch", "distill_prompt_tokens", "distill_new_tokens", "distill_turns", "target",
-                       "data", "extra_distilled", "cudnn_attention", "distill_cache"})
+                       "data", "extra_distilled", "cudnn_attention", "compile", "distill_cache"})
 
 
 def file_sha256(path: Path) -> str:

@@ -52,6 +52,7 @@ class Recipe:
     draft_vocab_size: int = 0  # eagle3: the head's lm_head covers the N most frequent answer tokens (0 = all)
     head_intermediate_size: int = 0  # the head's MLP width (0 = the target's intermediate_size, EAGLE's choice)
     cudnn_attention: bool = False  # true: training's SDPA may use cuDNN's kernel (train.attention_kernels)
+    compile: bool = False  # true: the target's forward and the loss's logits are compiled (train.loss_parts)
     val_fraction: float = 0.01
     val_prompts: int = 8
     val_new_tokens: int = 96
@@ -156,7 +157,7 @@ def field_problem(name: str, value) -> str | None:
     elif name == "layers" and not (isinstance(value, list) and all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_INT for i in value)):
         return f"must be a list of target layer ids >= 0, got {value!r}"
-    elif name in ("distill", "cudnn_attention") and not isinstance(value, bool):
+    elif name in ("distill", "cudnn_attention", "compile") and not isinstance(value, bool):
         return f"must be true or false, got {value!r}"
     elif name in ("target", "init") and value is not None and not isinstance(value, str):
         return f"must be a string or null, got {value!r}"

@@ -4,6 +4,7 @@ head that cross-entropy over its draft vocabulary alone; AdamW with warm-up."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -13,7 +14,9 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +47,11 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
     and renormalised there (tokens outside it get no target mass); a row whose target top token is outside
     the draft vocabulary does not count (the head cannot draft it), as in the published trainer. No noise.
     Returns the loss and metrics: feature loss (0 for eagle3), CE and top-1 accuracy vs the target's top
-    token, per step ``[steps]``."""
+    token, per step ``[steps]``. ``recipe.compile``: the target's forward and the cross-entropy's logits run
+    compiled (``loss_parts``)."""
     steps, eagle3 = recipe.unroll, head.config.eagle3
-    f, states = target_features(target, ids, attn, head.config.layers)
+    parts = loss_parts(recipe.compile)
+    f, states = parts.features(target, ids, attn, head.config.layers)
     if eagle3:
         f_in = states[:, :-1]
     else:
@@ -65,7 +70,8 @@ def head_loss(head: EagleHead, target: Target, ids: torch.Tensor, attn: torch.Te
     total = sum(recipe.unroll_decay ** j for j in range(steps))
     weights = [recipe.unroll_decay ** j / total for j in range(steps)]
     q_ins = [pred[b, (t - j).clamp(min=0)] for j, pred in enumerate(preds)]  # [N, h]; rows t < j dropped below
-    ce_rows, q_tops = soft_cross_entropy(head, target, torch.stack(q_ins), f_next, draft)  # [steps, N] each
+    ce_rows, q_tops = soft_cross_entropy(head, target, torch.stack(q_ins), f_next, draft,  # [steps, N] each
+                                         parts.soft_ce_rows)
     loss, feats, ces, accs = 0.0, [], [], []
     for j, q_in in enumerate(q_ins):
         valid = (t >= j) & counted
@@ -113,7 +119,8 @@ def target_tops(target: Target, f_next: torch.Tensor, draft: torch.Tensor | None
 
 
 def soft_cross_entropy(head: EagleHead, target: Target, q_in: torch.Tensor, f_next: torch.Tensor,
-                       draft: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       draft: torch.Tensor | None, rows_fn: Callable | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per unroll step and row ``[steps, N]``: the soft cross-entropy of the head's predictions ``q_in``
     ``[steps, N, h]`` against the target's next-token distribution at ``f_next`` ``[N, h]`` (eagle2: both
     through the target's lm_head; eagle3: the head's draft logits against the target's distribution
@@ -121,7 +128,9 @@ def soft_cross_entropy(head: EagleHead, target: Target, q_in: torch.Tensor, f_ne
     eagle3). The target's distribution is computed once per block of rows for every step; over a draft
     vocabulary from its lm_head rows of the draft tokens alone (the same values as the whole vocabulary's
     columns, at a fraction of the cost). Rows are taken in chunks (``row_chunks``), each checkpointed when
-    there are several: the same values, without [steps, N, V] tensors kept for backward."""
+    there are several: the same values, without [steps, N, V] tensors kept for backward. ``rows_fn``: what
+    computes a block (default ``_soft_ce_rows``; its compiled form from ``loss_parts``)."""
+    rows_fn = rows_fn or _soft_ce_rows
     rows_of = None  # eagle3 with a draft vocabulary: the target's lm_head rows of the draft tokens only
     if draft is not None:
         bias = target.lm_head.bias
@@ -129,8 +138,8 @@ def soft_cross_entropy(head: EagleHead, target: Target, q_in: torch.Tensor, f_ne
     vocab = target.vocab_size if draft is None else draft.numel()
     chunks = row_chunks(q_in.shape[1], vocab * q_in.shape[0])
     if len(chunks) == 1:
-        return _soft_ce_rows(head, target, rows_of, q_in, f_next)
-    parts = [checkpoint(_soft_ce_rows, head, target, rows_of, q_in[:, rows], f_next[rows], use_reentrant=False)
+        return rows_fn(head, target, rows_of, q_in, f_next)
+    parts = [checkpoint(rows_fn, head, target, rows_of, q_in[:, rows], f_next[rows], use_reentrant=False)
              for rows in chunks]
     return torch.cat([ce for ce, _ in parts], 1), torch.cat([top for _, top in parts], 1)
 
@@ -143,6 +152,31 @@ def _soft_ce_rows(head: EagleHead, target: Target, rows_of: tuple | None, q_in: 
         p = (target.logits(f_next) if rows_of is None else target.logits(f_next, *rows_of)).softmax(-1)
     logq = torch.log_softmax(head.draft_logits(q_in) if head.config.eagle3 else target.logits(q_in), dim=-1)
     return -(p * logq).sum(-1), logq.argmax(-1)
+
+
+@dataclass(frozen=True)
+class LossParts:
+    """The two costly pieces of a training step's loss: the target's forward (``features``, as
+    ``target_features``; about half of a step of the default target's head on a GPU) and one block of rows of
+    the soft cross-entropy (``soft_ce_rows``, as ``_soft_ce_rows``: the [steps, N, V] logits and their
+    softmax, a chain of memory-bound passes)."""
+
+    features: Callable
+    soft_ce_rows: Callable
+
+
+def loss_parts(compiled: bool) -> LossParts:
+    """The loss's pieces eagerly, or compiled by torch.compile (``recipe.compile``, ``--compile on``), which
+    fuses the target's norms, rotary embedding and activations and the softmax passes into fewer kernels. A
+    batch's [B, T] and its counted rows change nearly every step, so the pieces are compiled with dynamic
+    shapes: one compilation serves every batch (a one-row batch, if one comes, compiles once more). The
+    values are those of the eager pieces up to floating-point rounding (tests/test_training.py)."""
+    return _compiled_loss_parts() if compiled else LossParts(target_features, _soft_ce_rows)
+
+
+@functools.cache
+def _compiled_loss_parts() -> LossParts:
+    return LossParts(torch.compile(target_features, dynamic=True), torch.compile(_soft_ce_rows, dynamic=True))
 
 
 def _mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

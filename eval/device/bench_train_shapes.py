@@ -10,7 +10,10 @@ the head's unrolled loss, backward, AdamW), under each variant:
 - ``default``: torch's choice of kernels, as ``--cudnn-attention on`` trains;
 - ``no-cudnn-sdp``: as the trainer runs by default (``--cudnn-attention off``, ``training.train.attention_kernels``):
   every SDPA kernel but cuDNN's, which builds an execution plan per new shape;
-- ``target-only``: the target's forward alone (``target_features``), to tell its part from the head's.
+- ``target-only``: the target's forward alone (``target_features``), to tell its part from the head's;
+- ``compiled``: as ``no-cudnn-sdp`` with ``--compile on`` (``training.train.loss_parts``: the target's forward
+  and the loss's logits compiled with dynamic shapes); its first shape waits for the compilation
+  (``slowest_first_ms``), later shapes reuse it.
 
 Run it once more with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (set before CUDA starts) and
 ``--label expandable`` to see the allocator's part.
@@ -42,7 +45,7 @@ from training.features import target_features  # noqa: E402
 from training.train import attention_kernels, head_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("default", "no-cudnn-sdp", "target-only")
+VARIANTS = ("default", "no-cudnn-sdp", "target-only", "compiled")
 
 
 def smollm2_config():
@@ -142,10 +145,11 @@ def main() -> int:
         opt = torch.optim.AdamW(head.parameters(), lr=1e-4)  # one optimizer: its states allocated once
         # each variant gets shapes no earlier variant ran, so its first pass meets them new
         shapes = batch_shapes(args.shapes, recipe.tokens_per_batch, recipe.max_len, seed=1000 + n)
-        kernels = dataclasses.replace(recipe, cudnn_attention=variant != "no-cudnn-sdp")
-        with attention_kernels(kernels):
-            first = timed_steps(target, head, opt, recipe, shapes, variant == "target-only")
-            again = timed_steps(target, head, opt, recipe, shapes, variant == "target-only")
+        run = dataclasses.replace(recipe, cudnn_attention=variant not in ("no-cudnn-sdp", "compiled"),
+                                  compile=variant == "compiled")
+        with attention_kernels(run):
+            first = timed_steps(target, head, opt, run, shapes, variant == "target-only")
+            again = timed_steps(target, head, opt, run, shapes, variant == "target-only")
         results["variants"][variant] = {"shapes": len(shapes), **summary(first, again)}
         print(variant, json.dumps(results["variants"][variant]), flush=True)
         del head, opt
