@@ -16,8 +16,6 @@ import subprocess
 from pathlib import Path
 
 SCRATCH = ("__pycache__", ".pytest_cache", ".hypothesis")
-
-
 UNTRACKED = ("??", "!!")  # git's status codes of new and ignored paths
 
 

@@ -342,4 +342,3 @@ def pytest_sessionfinish(session, exitstatus):
             reporter.write("\n")
             reporter.write_line(f"the tests changed the checkout {_CHECKOUT}: " + ", ".join(changed), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
